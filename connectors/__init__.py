@@ -1,0 +1,1 @@
+"""Kafka source and transactional sink for PySpark's Python Data Source API."""

@@ -1,0 +1,397 @@
+"""A real, single-node Apache Kafka broker for the demo, the tests and local development.
+
+The broker jars come from Maven Central (fetched once with `mvn` into a cache directory) and
+run with the machine's `java`: one combined broker+controller node in KRaft mode on
+127.0.0.1, configured so that transactions work on a single node.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+KAFKA_VERSION = "4.1.1"
+LOG4J_VERSION = "2.24.3"
+SLF4J_VERSION = "2.0.17"
+
+DEFAULT_PORT = 9092
+START_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 30.0
+
+POM = f"""<?xml version="1.0" encoding="UTF-8"?>
+<!-- Written by onceflow: the Apache Kafka broker and a logging backend, nothing is built. -->
+<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>dev.onceflow</groupId>
+  <artifactId>onceflow-local-kafka</artifactId>
+  <version>{KAFKA_VERSION}</version>
+  <packaging>pom</packaging>
+  <dependencies>
+    <dependency>
+      <groupId>org.apache.kafka</groupId>
+      <artifactId>kafka_2.13</artifactId>
+      <version>{KAFKA_VERSION}</version>
+    </dependency>
+    <dependency>
+      <groupId>org.slf4j</groupId>
+      <artifactId>slf4j-api</artifactId>
+      <version>{SLF4J_VERSION}</version>
+    </dependency>
+    <dependency>
+      <groupId>org.apache.logging.log4j</groupId>
+      <artifactId>log4j-slf4j2-impl</artifactId>
+      <version>{LOG4J_VERSION}</version>
+    </dependency>
+    <dependency>
+      <groupId>org.apache.logging.log4j</groupId>
+      <artifactId>log4j-core</artifactId>
+      <version>{LOG4J_VERSION}</version>
+    </dependency>
+  </dependencies>
+</project>
+"""
+
+LOG4J2_PROPERTIES = """\
+status = warn
+appender.out.type = Console
+appender.out.name = STDOUT
+appender.out.layout.type = PatternLayout
+appender.out.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = WARN
+rootLogger.appenderRef.out.ref = STDOUT
+logger.raft.name = kafka.server.KafkaRaftServer
+logger.raft.level = INFO
+"""
+
+
+class LocalKafkaError(RuntimeError):
+    """The local broker could not be set up or started; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class LocalKafka:
+    """Where the local broker keeps its jars, data, pid and log, and which ports it uses."""
+
+    home: Path
+    port: int = DEFAULT_PORT
+
+    @classmethod
+    def from_env(cls) -> LocalKafka:
+        home = os.environ.get("ONCEFLOW_HOME") or Path.home() / ".cache" / "onceflow"
+        port = int(os.environ.get("ONCEFLOW_KAFKA_PORT", DEFAULT_PORT))
+        return cls(Path(home), port)
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def libs(self) -> Path:
+        return self.home / f"kafka-{KAFKA_VERSION}" / "libs"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / f"broker-{self.port}"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.run_dir / "broker.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.run_dir / "broker.log"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.run_dir / "data"
+
+    # -- state -----------------------------------------------------------------------------
+
+    def pid(self) -> int | None:
+        """The pid of our broker if its process is alive (a stale pid file counts as none)."""
+        try:
+            pid = int(self.pid_file.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            return None
+        return pid if b"kafka.Kafka" in cmdline else None
+
+    def answers(self, timeout: float = 2.0) -> bool:
+        """True when a broker on our port answers a metadata request."""
+        from confluent_kafka.admin import AdminClient
+
+        if not _port_open(self.port):
+            return False
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+        try:
+            return bool(admin.list_topics(timeout=timeout).brokers)
+        except Exception:
+            return False
+
+    def status(self) -> str:
+        pid = self.pid()
+        if pid is None:
+            if _port_open(self.port):
+                return f"not running (port {self.port} is taken by another process)"
+            return "not running"
+        if self.answers():
+            return f"running at {self.bootstrap} (pid {pid}, log {self.log_file})"
+        return f"starting or unhealthy (pid {pid}, not answering yet; log {self.log_file})"
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self, progress: Callable[[str], None] = print) -> str:
+        """Start the broker, or reuse the one already running; returns the bootstrap address."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with self._lock():
+            pid = self.pid()
+            if pid is not None:
+                self._wait_ready(pid, progress)
+                progress(f"Kafka is already running at {self.bootstrap} (pid {pid})")
+                return self.bootstrap
+            if _port_open(self.port):
+                raise LocalKafkaError(
+                    f"port {self.port} is in use by a process that is not onceflow's broker. "
+                    "Stop it, or pick another port with ONCEFLOW_KAFKA_PORT=<port>."
+                )
+            java = _require(
+                "java", "a Java 17+ runtime (Debian: apt-get install openjdk-17-jre-headless)"
+            )
+            self.fetch_jars(progress)
+            config = self._write_config()
+            if not (self.data_dir / "meta.properties").exists():
+                self._format(java, config)
+            t0 = time.monotonic()
+            progress(f"Starting Apache Kafka {KAFKA_VERSION} on {self.bootstrap} ...")
+            with open(self.log_file, "ab") as log:
+                proc = subprocess.Popen(
+                    [java, "-Xms256m", "-Xmx1g", *self._java_opts(), "kafka.Kafka", str(config)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            self.pid_file.write_text(str(proc.pid))
+            self._wait_ready(proc.pid, progress)
+            progress(f"Kafka is ready at {self.bootstrap} after {time.monotonic() - t0:.1f}s")
+            return self.bootstrap
+
+    def stop(self, progress: Callable[[str], None] = print) -> bool:
+        """Stop our broker; True if one was running. Clean shutdown first, SIGKILL after 30 s."""
+        pid = self.pid()
+        if pid is None:
+            self.pid_file.unlink(missing_ok=True)
+            return False
+        progress(f"Stopping Kafka (pid {pid}) ...")
+        os.kill(pid, signal.SIGTERM)
+        if not _wait_exit(pid, STOP_TIMEOUT_S):
+            progress(f"Kafka did not stop within {STOP_TIMEOUT_S:.0f}s; killing it")
+            os.kill(pid, signal.SIGKILL)
+            _wait_exit(pid, 10)
+        self.pid_file.unlink(missing_ok=True)
+        progress("Kafka stopped")
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL the broker, as a crash would (for fault tests). The pid file stays behind."""
+        pid = self.pid()
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            _wait_exit(pid, 10)
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def fetch_jars(self, progress: Callable[[str], None] = print) -> None:
+        """Copy the broker's jars from Maven Central into the cache, once, showing progress."""
+        marker = self.libs / ".complete"
+        if marker.exists():
+            return
+        mvn = _require("mvn", "Apache Maven (Debian: apt-get install maven)")
+        build = self.libs.parent / "pom"
+        build.mkdir(parents=True, exist_ok=True)
+        (build / "pom.xml").write_text(POM)
+        progress(f"Fetching Apache Kafka {KAFKA_VERSION} jars from Maven Central into {self.libs}")
+        cmd = [
+            mvn,
+            "-B",
+            "-f",
+            str(build / "pom.xml"),
+            "dependency:copy-dependencies",
+            f"-DoutputDirectory={self.libs}",
+            "-DincludeScope=runtime",
+        ]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        tail: list[str] = []
+        fetched = 0
+        for line in proc.stdout:
+            tail = [*tail[-30:], line.rstrip()]
+            m = re.match(
+                r".*Downloaded from \S+: \S+/([^/]+\.jar) \(([^)]*?)(?: at [^)]*)?\)", line
+            )
+            if m:
+                fetched += 1
+                progress(f"  [{fetched:3d}] {m.group(1)} ({m.group(2)})")
+        if proc.wait() != 0:
+            raise LocalKafkaError(
+                "mvn could not fetch the Kafka jars. Check that Maven Central is reachable "
+                "(mvn -B dependency:get -Dartifact=org.apache.kafka:kafka_2.13:"
+                f"{KAFKA_VERSION}). Last lines of Maven's output:\n" + "\n".join(tail)
+            )
+        jars = list(self.libs.glob("*.jar"))
+        progress(f"Fetched {len(jars)} jars ({_mb(jars):.1f} MB)")
+        marker.touch()
+
+    def _java_opts(self) -> list[str]:
+        return [
+            "-cp",
+            f"{self.libs}/*",
+            f"-Dlog4j2.configurationFile={self.run_dir / 'log4j2.properties'}",
+            "-Djava.awt.headless=true",
+        ]
+
+    def _write_config(self) -> Path:
+        controller_port = self.port + 1
+        config = self.run_dir / "server.properties"
+        config.write_text(
+            "\n".join(
+                [
+                    "process.roles=broker,controller",
+                    "node.id=1",
+                    f"controller.quorum.voters=1@127.0.0.1:{controller_port}",
+                    f"listeners=PLAINTEXT://127.0.0.1:{self.port},"
+                    f"CONTROLLER://127.0.0.1:{controller_port}",
+                    f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
+                    "controller.listener.names=CONTROLLER",
+                    "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+                    "inter.broker.listener.name=PLAINTEXT",
+                    f"log.dirs={self.data_dir}",
+                    "num.partitions=1",
+                    # A single node can only hold one replica of the internal topics.
+                    "offsets.topic.replication.factor=1",
+                    "offsets.topic.num.partitions=4",
+                    "transaction.state.log.replication.factor=1",
+                    "transaction.state.log.min.isr=1",
+                    "transaction.state.log.num.partitions=4",
+                    "share.coordinator.state.topic.replication.factor=1",
+                    "share.coordinator.state.topic.min.isr=1",
+                    "group.initial.rebalance.delay.ms=0",
+                    # Tests create their topics on purpose; a typo must not create one.
+                    "auto.create.topics.enable=false",
+                    "",
+                ]
+            )
+        )
+        (self.run_dir / "log4j2.properties").write_text(LOG4J2_PROPERTIES)
+        return config
+
+    def _format(self, java: str, config: Path) -> None:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        result = subprocess.run(
+            [
+                java,
+                *self._java_opts(),
+                "kafka.tools.StorageTool",
+                "format",
+                "-t",
+                cluster_id,
+                "-c",
+                str(config),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0:
+            raise LocalKafkaError(
+                f"formatting the KRaft storage in {self.data_dir} failed; delete that directory "
+                f"and try again.\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
+            )
+
+    def _wait_ready(self, pid: int, progress: Callable[[str], None]) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        next_note = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.answers(timeout=1.0):
+                return
+            if not _alive(pid):
+                raise LocalKafkaError(
+                    f"Kafka exited during startup. Its log {self.log_file} ends with:\n"
+                    + _tail(self.log_file)
+                )
+            if time.monotonic() > next_note:
+                progress("  still waiting for Kafka to answer metadata requests ...")
+                next_note = time.monotonic() + 10
+            time.sleep(0.2)
+        raise LocalKafkaError(
+            f"Kafka did not answer within {START_TIMEOUT_S:.0f}s; see {self.log_file}, "
+            "then `onceflow kafka stop` and start again."
+        )
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        with open(self.run_dir / "start.lock", "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _require(tool: str, what: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        raise LocalKafkaError(f"`{tool}` is not on PATH: install {what}, then try again.")
+    return path
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie child (exited, not yet reaped) still answers kill(0); /proc tells the truth.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_exit(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def _mb(paths: list[Path]) -> float:
+    return sum(p.stat().st_size for p in paths) / 1e6

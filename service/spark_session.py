@@ -1,0 +1,48 @@
+"""Building the SparkSession onceflow runs in, with the settings exactly-once needs."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+
+DEFAULT_CONF = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    # Keyed state (transformWithState) needs RocksDB; it is also the store that scales.
+    "spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER,
+    "spark.sql.shuffle.partitions": "4",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    # A failed task is a failed epoch: Spark retries the whole batch from its offset log.
+    "spark.task.maxFailures": "1",
+}
+
+
+def build_session(
+    master: str = "local[2]", app_name: str = "onceflow", conf: Mapping[str, str] | None = None
+):
+    """A SparkSession with the onceflow Kafka data source registered as `onceflow-kafka`."""
+    # Python workers must run the interpreter onceflow is installed in, not whatever
+    # `python3` is first on PATH.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    if master.startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.master(master).appName(app_name)
+    for key, value in {**DEFAULT_CONF, **(conf or {})}.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    register_data_source(spark)
+    return spark
+
+
+def register_data_source(spark) -> None:
+    from onceflow.connectors.datasource import KafkaDataSource
+
+    spark.dataSource.register(KafkaDataSource)
