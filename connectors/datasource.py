@@ -1,0 +1,22 @@
+"""The `onceflow-kafka` data source: one name for the Kafka source and the transactional sink."""
+
+from __future__ import annotations
+
+from pyspark.sql.datasource import DataSource
+from pyspark.sql.types import StructType
+
+from onceflow.connectors.source import SOURCE_SCHEMA, KafkaStreamReader
+
+
+class KafkaDataSource(DataSource):
+    """`spark.readStream.format("onceflow-kafka")` and `writeStream.format("onceflow-kafka")`."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "onceflow-kafka"
+
+    def schema(self) -> str:
+        return SOURCE_SCHEMA
+
+    def streamReader(self, schema: StructType) -> KafkaStreamReader:
+        return KafkaStreamReader(self.options)

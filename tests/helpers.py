@@ -1,0 +1,74 @@
+"""Small helpers the integration tests share: producing input and running queries."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterable
+
+from confluent_kafka import Producer
+
+
+def produce(
+    bootstrap: str,
+    topic: str,
+    records: Iterable[tuple[bytes | None, bytes | None, int]],
+    transactional: bool = False,
+) -> None:
+    """Produce (key, value, partition) records and wait until the broker has them all."""
+    conf = {"bootstrap.servers": bootstrap, "linger.ms": 5}
+    if transactional:
+        conf["transactional.id"] = f"test-producer-{uuid.uuid4()}"
+    producer = Producer(conf)
+    if transactional:
+        producer.init_transactions(30)
+        producer.begin_transaction()
+    for key, value, partition in records:
+        producer.produce(topic, key=key, value=value, partition=partition)
+    if transactional:
+        producer.commit_transaction(30)
+    assert producer.flush(30) == 0
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 60, what: str = "condition"):
+    """Poll `condition` until it holds; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def source_reader(spark, bootstrap: str, topic: str, **options: str):
+    reader = (
+        spark.readStream.format("onceflow-kafka")
+        .option("kafka.bootstrap.servers", bootstrap)
+        .option("subscribe", topic)
+        .option("startingOffsets", "earliest")
+    )
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def drain(df, checkpoint: str) -> tuple[list, list]:
+    """Run `df` with Trigger.AvailableNow; return (rows in batch order, progress reports).
+
+    Collects through foreachBatch, which (unlike the memory sink) restarts from a checkpoint.
+    """
+    rows: list = []
+
+    def collect(batch, batch_id: int) -> None:
+        rows.extend(batch.collect())
+
+    query = (
+        df.writeStream.foreachBatch(collect)
+        .option("checkpointLocation", checkpoint)
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(300)
+    if query.exception() is not None:
+        raise query.exception()
+    return rows, query.recentProgress

@@ -1,0 +1,230 @@
+"""The Kafka source against a real broker: exact record sets, gaps, open transactions, loss."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from confluent_kafka import Producer, TopicPartition
+from pyspark.errors import StreamingQueryException
+
+from onceflow.topics import admin_client
+from tests.helpers import drain, produce, source_reader, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def records_of(rows) -> dict[int, list[tuple[int, bytes]]]:
+    """(offset, value) per partition, in the order the source emitted them."""
+    by_partition: dict[int, list[tuple[int, bytes]]] = {}
+    for r in rows:
+        by_partition.setdefault(r.partition, []).append((r.offset, bytes(r.value)))
+    return by_partition
+
+
+def test_exact_records_and_order_per_partition_across_many_batches(
+    spark, kafka_bootstrap, new_topic, tmp_path
+):
+    topic = new_topic(partitions=3)
+    produce(
+        kafka_bootstrap,
+        topic,
+        ((str(i).encode(), f"v{i}".encode(), i % 3) for i in range(3000)),
+    )
+    df = source_reader(spark, kafka_bootstrap, topic, maxOffsetsPerTrigger="250")
+    rows, progress = drain(df, str(tmp_path / "ck"))
+
+    batches = [p["numInputRows"] for p in progress if p["numInputRows"]]
+    assert len(batches) >= 12 and max(batches) <= 250 + 3
+    expected = {p: [(i // 3, f"v{i}".encode()) for i in range(p, 3000, 3)] for p in range(3)}
+    # Memory-sink rows keep batch order, so this checks per-partition order too.
+    assert records_of(rows) == expected
+    assert {r.topic for r in rows} == {topic}
+    assert all(r.timestampType == 0 and r.timestamp is not None for r in rows)
+
+
+def test_aborted_transactions_never_appear_and_nothing_is_skipped(
+    spark, kafka_bootstrap, new_topic, tmp_path
+):
+    topic = new_topic(partitions=2)
+    producer = Producer(
+        {"bootstrap.servers": kafka_bootstrap, "transactional.id": f"t-{uuid.uuid4()}"}
+    )
+    producer.init_transactions(30)
+    expected: dict[int, list[bytes]] = {0: [], 1: []}
+    for txn in range(12):
+        producer.begin_transaction()
+        for i in range(25):
+            value = f"txn{txn}-{i}".encode()
+            producer.produce(topic, value=value, partition=i % 2)
+            if txn % 3 != 1:
+                expected[i % 2].append(value)
+        if txn % 3 == 1:
+            producer.flush(30)
+            producer.abort_transaction(30)
+        else:
+            producer.commit_transaction(30)
+
+    # Small batches end inside aborted ranges and on transaction markers.
+    df = source_reader(spark, kafka_bootstrap, topic, maxOffsetsPerTrigger="17")
+    rows, _ = drain(df, str(tmp_path / "ck"))
+    got = {p: [v for _, v in recs] for p, recs in records_of(rows).items()}
+    assert got == expected
+
+
+def test_open_input_transaction_holds_back_only_its_partition(
+    spark, kafka_bootstrap, new_topic, tmp_path
+):
+    topic = new_topic(partitions=2)
+    produce(kafka_bootstrap, topic, ((None, f"before-{i}".encode(), i % 2) for i in range(20)))
+    open_txn = Producer(
+        {"bootstrap.servers": kafka_bootstrap, "transactional.id": f"open-{uuid.uuid4()}"}
+    )
+    open_txn.init_transactions(30)
+    open_txn.begin_transaction()
+    for i in range(5):
+        open_txn.produce(topic, value=f"pending-{i}".encode(), partition=0)
+    open_txn.flush(30)
+
+    name = f"open_{uuid.uuid4().hex[:8]}"
+    query = (
+        source_reader(spark, kafka_bootstrap, topic)
+        .writeStream.format("memory")
+        .queryName(name)
+        .option("checkpointLocation", str(tmp_path / "ck"))
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+    try:
+
+        def values():
+            return sorted(
+                bytes(r.value).decode() for r in spark.sql(f"select value from {name}").collect()
+            )
+
+        wait_until(lambda: len(values()) == 20, what="records before the open transaction")
+        # Partition 1 keeps flowing while partition 0 has an open transaction.
+        produce(kafka_bootstrap, topic, ((None, f"after-{i}".encode(), 1) for i in range(10)))
+        wait_until(lambda: len(values()) == 30, what="partition 1 to progress")
+        assert not [v for v in values() if v.startswith("pending")]
+
+        open_txn.commit_transaction(30)
+        wait_until(lambda: len(values()) == 35, what="the committed transaction to be read")
+        expected = (
+            [f"before-{i}" for i in range(20)]
+            + [f"after-{i}" for i in range(10)]
+            + [f"pending-{i}" for i in range(5)]
+        )
+        assert values() == sorted(expected)
+    finally:
+        query.stop()
+
+
+def test_partition_added_mid_stream_joins_from_earliest(
+    spark, kafka_bootstrap, new_topic, tmp_path
+):
+    from confluent_kafka.admin import NewPartitions
+
+    topic = new_topic(partitions=1)
+    checkpoint = str(tmp_path / "ck")
+    produce(kafka_bootstrap, topic, ((None, f"a{i}".encode(), 0) for i in range(10)))
+    rows1, _ = drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
+
+    admin = admin_client(kafka_bootstrap)
+    admin.create_partitions([NewPartitions(topic, 2)])[topic].result(30)
+    wait_until(
+        lambda: len(admin.list_topics(topic, timeout=5).topics[topic].partitions) == 2,
+        what="the new partition",
+    )
+    produce(kafka_bootstrap, topic, ((None, f"b{i}".encode(), 1) for i in range(7)))
+    produce(kafka_bootstrap, topic, ((None, f"c{i}".encode(), 0) for i in range(3)))
+    rows2, _ = drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
+
+    assert sorted(bytes(r.value).decode() for r in rows1) == sorted(f"a{i}" for i in range(10))
+    assert records_of(rows2) == {
+        0: [(10 + i, f"c{i}".encode()) for i in range(3)],
+        1: [(i, f"b{i}".encode()) for i in range(7)],
+    }
+
+
+def test_restart_from_checkpoint_resumes_where_the_last_batch_ended(
+    spark, kafka_bootstrap, new_topic, tmp_path
+):
+    topic = new_topic(partitions=2)
+    checkpoint = str(tmp_path / "ck")
+    produce(kafka_bootstrap, topic, ((None, f"first-{i}".encode(), i % 2) for i in range(500)))
+    rows1, _ = drain(
+        source_reader(spark, kafka_bootstrap, topic, maxOffsetsPerTrigger="120"), checkpoint
+    )
+    produce(kafka_bootstrap, topic, ((None, f"second-{i}".encode(), i % 2) for i in range(300)))
+    rows2, _ = drain(
+        source_reader(spark, kafka_bootstrap, topic, maxOffsetsPerTrigger="120"), checkpoint
+    )
+
+    first = {(r.partition, r.offset) for r in rows1}
+    second = {(r.partition, r.offset) for r in rows2}
+    assert len(first) == len(rows1) == 500 and len(second) == len(rows2) == 300
+    assert not first & second
+    assert sorted(bytes(r.value).decode() for r in rows2) == sorted(
+        f"second-{i}" for i in range(300)
+    )
+
+
+def _delete_before(bootstrap: str, topic: str, partition: int, offset: int) -> None:
+    admin = admin_client(bootstrap)
+    futures = admin.delete_records([TopicPartition(topic, partition, offset)])
+    for f in futures.values():
+        f.result(30)
+
+
+def test_retention_loss_fails_the_query_by_default(spark, kafka_bootstrap, new_topic, tmp_path):
+    topic = new_topic(partitions=1)
+    checkpoint = str(tmp_path / "ck")
+    produce(kafka_bootstrap, topic, ((None, f"a{i}".encode(), 0) for i in range(10)))
+    drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
+    produce(kafka_bootstrap, topic, ((None, f"b{i}".encode(), 0) for i in range(10)))
+    _delete_before(kafka_bootstrap, topic, 0, 15)  # offsets 10..14 were never read
+
+    with pytest.raises(StreamingQueryException) as info:
+        drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
+    message = str(info.value)
+    assert f"data loss on topic {topic} partition 0" in message
+    assert "expected offset 10" in message and "earliest available offset is 15" in message
+
+
+def test_retention_loss_skips_ahead_when_allowed(spark, kafka_bootstrap, new_topic, tmp_path):
+    topic = new_topic(partitions=1)
+    checkpoint = str(tmp_path / "ck")
+    produce(kafka_bootstrap, topic, ((None, f"a{i}".encode(), 0) for i in range(10)))
+    drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
+    produce(kafka_bootstrap, topic, ((None, f"b{i}".encode(), 0) for i in range(10)))
+    _delete_before(kafka_bootstrap, topic, 0, 15)
+
+    rows, _ = drain(
+        source_reader(spark, kafka_bootstrap, topic, failOnDataLoss="false"), checkpoint
+    )
+    assert records_of(rows) == {0: [(10 + i, f"b{i}".encode()) for i in range(5, 10)]}
+
+
+def test_unknown_topic_fails_fast_naming_the_option(spark, kafka_bootstrap, tmp_path):
+    df = source_reader(spark, kafka_bootstrap, "no-such-topic-" + uuid.uuid4().hex[:6])
+    with pytest.raises(StreamingQueryException, match=r"option 'subscribe'.*do not exist"):
+        drain(df, str(tmp_path / "ck"))
+
+
+def test_malformed_starting_offsets_fails_naming_the_option(
+    spark, kafka_bootstrap, new_topic, tmp_path
+):
+    topic = new_topic()
+    df = source_reader(spark, kafka_bootstrap, topic, startingOffsets='{"oops": ')
+    with pytest.raises(Exception, match=r"option 'startingOffsets'.*not valid JSON"):
+        drain(df, str(tmp_path / "ck"))
+
+
+def test_min_partitions_splits_ranges_into_more_tasks(spark, kafka_bootstrap, new_topic, tmp_path):
+    topic = new_topic(partitions=1)
+    produce(kafka_bootstrap, topic, ((None, f"v{i}".encode(), 0) for i in range(1000)))
+    df = source_reader(spark, kafka_bootstrap, topic, minPartitions="4")
+    rows, _ = drain(df.selectExpr("*", "spark_partition_id() AS task"), str(tmp_path / "ck"))
+    assert sorted(r.offset for r in rows) == list(range(1000))
+    assert len({r.task for r in rows}) == 4
