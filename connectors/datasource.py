@@ -5,6 +5,7 @@ from __future__ import annotations
 from pyspark.sql.datasource import DataSource
 from pyspark.sql.types import StructType
 
+from onceflow.connectors.sink import KafkaStreamWriter
 from onceflow.connectors.source import SOURCE_SCHEMA, KafkaStreamReader
 
 
@@ -20,3 +21,6 @@ class KafkaDataSource(DataSource):
 
     def streamReader(self, schema: StructType) -> KafkaStreamReader:
         return KafkaStreamReader(self.options)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> KafkaStreamWriter:
+        return KafkaStreamWriter(self.options, schema)

@@ -29,6 +29,8 @@ def build_session(
     # `python3` is first on PATH.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    # Fault points (tests only) kill this process group: the driver and its JVM.
+    os.environ.setdefault("ONCEFLOW_SERVICE_PGID", str(os.getpgid(0)))
     if master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession

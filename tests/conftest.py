@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from onceflow.connectors.topics import create_topic
 from onceflow.local_kafka import KAFKA_VERSION, LocalKafka
-from onceflow.topics import create_topic
 
 # The settings a one-node apache/kafka container needs for transactions (same as compose).
 KAFKA_CONTAINER_ENV = {

@@ -5,7 +5,7 @@ import uuid
 import pytest
 from confluent_kafka import Producer
 
-from onceflow.topics import read_committed
+from onceflow.connectors.topics import read_committed
 
 pytestmark = pytest.mark.integration
 

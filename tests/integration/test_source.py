@@ -8,7 +8,7 @@ import pytest
 from confluent_kafka import Producer, TopicPartition
 from pyspark.errors import StreamingQueryException
 
-from onceflow.topics import admin_client
+from onceflow.connectors import kafka_clients
 from tests.helpers import drain, produce, source_reader, wait_until
 
 pytestmark = pytest.mark.integration
@@ -130,7 +130,7 @@ def test_partition_added_mid_stream_joins_from_earliest(
     produce(kafka_bootstrap, topic, ((None, f"a{i}".encode(), 0) for i in range(10)))
     rows1, _ = drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
 
-    admin = admin_client(kafka_bootstrap)
+    admin = kafka_clients.admin({"bootstrap.servers": kafka_bootstrap})
     admin.create_partitions([NewPartitions(topic, 2)])[topic].result(30)
     wait_until(
         lambda: len(admin.list_topics(topic, timeout=5).topics[topic].partitions) == 2,
@@ -171,7 +171,7 @@ def test_restart_from_checkpoint_resumes_where_the_last_batch_ended(
 
 
 def _delete_before(bootstrap: str, topic: str, partition: int, offset: int) -> None:
-    admin = admin_client(bootstrap)
+    admin = kafka_clients.admin({"bootstrap.servers": bootstrap})
     futures = admin.delete_records([TopicPartition(topic, partition, offset)])
     for f in futures.values():
         f.result(30)

@@ -1,0 +1,184 @@
+"""The transactional Kafka sink: two-phase commit tied to Spark's checkpoint.
+
+Phase 1 (prepare) runs in executor tasks: `write` encodes the task's rows and hands them back
+in its commit message; nothing is visible in Kafka. Phase 2 (commit) runs on the driver once
+every task succeeded: `commit(messages, batchId)` publishes them all, plus a commit marker, in
+one Kafka transaction (see publisher.py). Input columns follow Spark's Kafka sink: `value`
+(required), `key`, `topic`, `partition`, `headers`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMessage
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    IntegerType,
+    StringType,
+    StructType,
+)
+
+from onceflow.connectors import faults
+from onceflow.connectors.markers import DEFAULT_MARKER_TOPIC
+from onceflow.connectors.options import RESERVED_PRODUCER_KEYS, OptionError, kafka_conf
+from onceflow.connectors.publisher import publisher_for
+
+COLUMN_TYPES = {
+    "value": (BinaryType, StringType),
+    "key": (BinaryType, StringType),
+    "topic": (StringType,),
+    "partition": (IntegerType,),
+    "headers": (ArrayType,),
+}
+PREPARED_COLUMNS = ("topic", "partition", "key", "value", "headers")
+
+
+@dataclass
+class PreparedRecords(WriterCommitMessage):
+    """Phase 1's output: a task's records, encoded, as one Arrow table (None when empty)."""
+
+    table: object  # pyarrow.Table with PREPARED_COLUMNS
+    rows: int
+
+
+class KafkaStreamWriter(DataSourceStreamArrowWriter):
+    def __init__(self, options: Mapping[str, str], schema: StructType) -> None:
+        self.conf = kafka_conf(options, RESERVED_PRODUCER_KEYS)
+        self.default_topic = options.get("topic")
+        self.app_id = options.get("appId")
+        self.sink_name = options.get("sinkName") or self.default_topic or "sink"
+        self.transactional_id = options.get("transactionalId") or (
+            f"onceflow-{self.app_id}-{self.sink_name}" if self.app_id else None
+        )
+        if not self.transactional_id:
+            raise OptionError(
+                "the onceflow-kafka sink needs option 'appId' (or 'transactionalId'): the "
+                "transactional id must stay the same across restarts for exactly-once"
+            )
+        self.marker_topic = options.get("markerTopic") or DEFAULT_MARKER_TOPIC
+        checkpoint = options.get("checkpointLocation")
+        if not checkpoint:
+            raise OptionError(
+                "the onceflow-kafka sink needs option 'checkpointLocation': commit markers "
+                "are tied to the checkpoint's identity"
+            )
+        self.checkpoint = Path(checkpoint.removeprefix("file:"))
+        _check_schema(schema, has_default_topic=bool(self.default_topic))
+
+    # -- phase 1: executors ----------------------------------------------------------------
+
+    def write(self, iterator: Iterator) -> PreparedRecords:
+        import pyarrow as pa
+
+        faults.point("before_prepare")
+        tables = [_prepare(batch, self.default_topic, pa) for batch in iterator]
+        tables = [t for t in tables if t.num_rows]
+        table = pa.concat_tables(tables).combine_chunks() if tables else None
+        faults.point("after_prepare")
+        return PreparedRecords(table, table.num_rows if table is not None else 0)
+
+    # -- phase 2: the driver ---------------------------------------------------------------
+
+    def commit(self, messages: list, batchId: int) -> None:
+        publisher = publisher_for(self.conf, self.transactional_id, self.marker_topic)
+        publisher.publish(
+            batchId,
+            self._query_id(),
+            _Records([m for m in messages if m is not None and m.table is not None]),
+            self._source_offsets(batchId),
+        )
+
+    def abort(self, messages: list, batchId: int) -> None:
+        publisher_for(self.conf, self.transactional_id, self.marker_topic).abort_open_transaction()
+
+    def _query_id(self) -> str:
+        """The id Spark stores in the checkpoint: it names the checkpoint, across restarts."""
+        try:
+            return json.loads((self.checkpoint / "metadata").read_text())["id"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise OptionError(
+                f"cannot read the query id from {self.checkpoint / 'metadata'} ({exc}); the "
+                "onceflow-kafka sink needs a checkpoint on a file system this host can read"
+            ) from None
+
+    def _source_offsets(self, batch_id: int) -> list:
+        """The epoch's barrier: the source offsets Spark wrote ahead for this batch."""
+        try:
+            lines = (self.checkpoint / "offsets" / str(batch_id)).read_text().splitlines()
+        except OSError:
+            return []
+        return [json.loads(line) if line.startswith("{") else line for line in lines[2:]]
+
+
+class _Records:
+    """(topic, partition, key, value, headers) tuples of every task, re-iterable for retries."""
+
+    def __init__(self, messages: list[PreparedRecords]) -> None:
+        self.messages = messages
+
+    def __iter__(self):
+        for message in self.messages:
+            columns = [message.table.column(c).to_pylist() for c in PREPARED_COLUMNS]
+            for topic, partition, key, value, headers in zip(*columns, strict=True):
+                yield topic, partition, key, value, _header_tuples(headers)
+
+    def __len__(self) -> int:
+        return sum(m.rows for m in self.messages)
+
+
+def _header_tuples(headers: list[dict] | None) -> list[tuple] | None:
+    return [(h["key"], h["value"]) for h in headers] if headers else None
+
+
+def _check_schema(schema: StructType, has_default_topic: bool) -> None:
+    fields = {f.name: f.dataType for f in schema.fields}
+    if "value" not in fields:
+        raise OptionError(
+            f"the onceflow-kafka sink needs a 'value' column; the query has {sorted(fields)}"
+        )
+    for name, allowed in COLUMN_TYPES.items():
+        if name in fields and not isinstance(fields[name], allowed):
+            raise OptionError(
+                f"column '{name}' must be of type "
+                f"{' or '.join(t.typeName() for t in allowed)}, not {fields[name].simpleString()}"
+            )
+    if "topic" not in fields and not has_default_topic:
+        raise OptionError("set the sink option 'topic', or give the query a 'topic' column")
+
+
+def _prepare(batch, default_topic: str | None, pa):
+    """Normalize a task's Arrow batch to PREPARED_COLUMNS, with a topic on every row."""
+    import pyarrow.compute as pc
+
+    n = batch.num_rows
+    names = batch.schema.names
+
+    def column(name: str, arrow_type):
+        if name not in names:
+            return pa.nulls(n, arrow_type)
+        return batch.column(name).cast(arrow_type)
+
+    topic = column("topic", pa.string())
+    if default_topic is not None:
+        topic = pc.fill_null(topic, default_topic)
+    if topic.null_count:
+        row = pc.index(pc.is_null(topic), True).as_py()
+        raise ValueError(
+            f"row {row} of this task has a null 'topic' and the sink has no 'topic' option; "
+            "set one, or give every row a topic"
+        )
+    headers_type = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
+    return pa.table(
+        {
+            "topic": topic,
+            "partition": column("partition", pa.int32()),
+            "key": column("key", pa.binary()),
+            "value": column("value", pa.binary()),
+            "headers": column("headers", headers_type),
+        }
+    )

@@ -1,0 +1,88 @@
+"""Creating topics and reading them back the way a `read_committed` consumer sees them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka.admin import NewTopic
+
+from onceflow.connectors import kafka_clients
+
+
+def create_topic(
+    conf: dict[str, str] | str,
+    name: str,
+    partitions: int = 1,
+    config: dict[str, str] | None = None,
+) -> None:
+    """Create a topic if it does not exist yet, and wait until its leaders are known.
+
+    `conf` is a librdkafka config, or just a bootstrap address.
+    """
+    conf = _conf(conf)
+    admin = kafka_clients.admin(conf)
+    futures = admin.create_topics([NewTopic(name, partitions, -1, config=config or {})])
+    try:
+        futures[name].result(30)
+    except KafkaException as exc:
+        if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
+            raise
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        meta = admin.list_topics(name, timeout=5).topics.get(name)
+        if (
+            meta
+            and meta.error is None
+            and meta.partitions
+            and all(p.leader >= 0 for p in meta.partitions.values())
+        ):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"topic {name!r} has no leader after 30 s; is the broker healthy?")
+
+
+def read_committed(conf: dict[str, str] | str, topic: str, timeout: float = 60.0) -> list:
+    """Every committed record of `topic`, in partition then offset order, up to the stable end.
+
+    A partition is finished when the consumer *position* reaches the stable end offset, not
+    when a record with offset end-1 arrives: transaction markers and aborted records leave gaps.
+    """
+    conf = _conf(conf)
+    meta = kafka_clients.admin(conf).list_topics(topic, timeout=15).topics[topic]
+    if meta.error is not None:
+        raise KafkaException(meta.error)
+    ends = kafka_clients.stable_ends(conf, [(topic, p) for p in sorted(meta.partitions)])
+    consumer = Consumer(
+        {
+            **conf,
+            "group.id": f"onceflow-reader-{uuid.uuid4()}",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "enable.partition.eof": False,
+        }
+    )
+    try:
+        pending = [TopicPartition(t, p, OFFSET_BEGINNING) for (t, p), end in ends.items() if end]
+        consumer.assign(pending)
+        records: list = []
+        deadline = time.monotonic() + timeout
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {topic} did not reach its stable end in {timeout}s")
+            for msg in consumer.consume(10_000, 0.2):
+                if msg.error() is not None:
+                    raise KafkaException(msg.error())
+                if msg.offset() < ends[(topic, msg.partition())]:
+                    records.append(msg)
+            positions = consumer.position(pending)
+            pending = [p for p in positions if p.offset < ends[(topic, p.partition)]]
+        records.sort(key=lambda m: (m.partition(), m.offset()))
+        return records
+    finally:
+        consumer.close()
+
+
+def _conf(conf: dict[str, str] | str) -> dict[str, str]:
+    return {"bootstrap.servers": conf} if isinstance(conf, str) else conf

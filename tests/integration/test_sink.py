@@ -1,0 +1,142 @@
+"""The transactional sink against a real broker: exactly-once across crashes, fencing, aborts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from onceflow.connectors.markers import DEFAULT_MARKER_TOPIC, last_marker
+from onceflow.connectors.publisher import FencedError, TransactionalPublisher
+from onceflow.connectors.topics import read_committed
+from tests.helpers import drain, produce, source_reader
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+INPUT_RECORDS = 3000
+
+
+def run_passthrough(
+    bootstrap, source, sink, checkpoint, app, fault=None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("ONCEFLOW_SERVICE_PGID", None)
+    if fault:
+        env["ONCEFLOW_FAULT"] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "tests.apps.passthrough", "--bootstrap", bootstrap,
+         "--source", source, "--sink", sink, "--checkpoint", checkpoint, "--app", app],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+        start_new_session=True,  # its own process group, which a fault point kills
+    )  # fmt: skip
+
+
+@pytest.fixture
+def passthrough_input(kafka_bootstrap, new_topic):
+    source = new_topic(partitions=3, prefix="in")
+    values = [f"record-{i}".encode() for i in range(INPUT_RECORDS)]
+    produce(kafka_bootstrap, source, ((str(i).encode(), v, i % 3) for i, v in enumerate(values)))
+    return source, values
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["before_prepare@2", "after_prepare@2", "before_kafka_commit@2", "after_kafka_commit@2"],
+)
+def test_exactly_once_across_a_crash(
+    kafka_bootstrap, new_topic, passthrough_input, tmp_path, fault
+):
+    source, values = passthrough_input
+    sink = new_topic(partitions=2, prefix="out")
+    checkpoint, app = str(tmp_path / "ck"), f"crash-{uuid.uuid4().hex[:8]}"
+
+    crashed = run_passthrough(kafka_bootstrap, source, sink, checkpoint, app, fault)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+    before = Counter(m.value() for m in read_committed(kafka_bootstrap, sink))
+    assert set(before.values()) == {1} and set(before) < set(values)
+    # The crash hit batch 2: its output is visible only if Kafka committed it.
+    marker = last_marker(
+        {"bootstrap.servers": kafka_bootstrap}, DEFAULT_MARKER_TOPIC, f"onceflow-{app}-{sink}"
+    )
+    assert marker.batch_id == (2 if fault.startswith("after_kafka_commit") else 1)
+
+    restarted = run_passthrough(kafka_bootstrap, source, sink, checkpoint, app)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+
+    output = Counter(m.value() for m in read_committed(kafka_bootstrap, sink))
+    assert output == Counter(values), "output differs from input: loss or duplicates"
+
+
+def test_a_zombie_with_the_same_transactional_id_is_fenced(kafka_bootstrap, new_topic):
+    sink = new_topic(prefix="out")
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    txn_id, markers = f"zombie-{uuid.uuid4().hex[:8]}", f"markers-{uuid.uuid4().hex[:8]}"
+    zombie = TransactionalPublisher(conf, txn_id, markers)
+    assert zombie.publish(0, "q1", [(sink, None, b"k", b"from-zombie-0", None)], [])
+
+    successor = TransactionalPublisher(conf, txn_id, markers)
+    assert not successor.publish(0, "q1", [(sink, None, b"k", b"replayed-0", None)], [])
+    assert successor.publish(1, "q1", [(sink, None, b"k", b"from-successor-1", None)], [])
+
+    with pytest.raises(FencedError, match=txn_id):
+        zombie.publish(1, "q1", [(sink, None, b"k", b"from-zombie-1", None)], [])
+    assert [m.value() for m in read_committed(kafka_bootstrap, sink)] == [
+        b"from-zombie-0",
+        b"from-successor-1",
+    ]
+
+
+def test_an_epoch_aborted_inside_its_transaction_is_never_visible(kafka_bootstrap, new_topic):
+    sink = new_topic(prefix="out")
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    publisher = TransactionalPublisher(conf, f"abort-{uuid.uuid4().hex[:8]}", f"m-{uuid.uuid4()}")
+
+    def bad_records():
+        yield (sink, None, None, b"half-published", None)
+        raise RuntimeError("a record of this epoch cannot be encoded")
+
+    class Epoch:
+        def __iter__(self):
+            return bad_records()
+
+    with pytest.raises(RuntimeError):
+        publisher.publish(0, "q", Epoch(), [])
+    assert publisher.publish(0, "q", [(sink, None, None, b"retried", None)], [])
+    assert [m.value() for m in read_committed(kafka_bootstrap, sink)] == [b"retried"]
+
+
+def test_a_fresh_checkpoint_is_refused_instead_of_dropping_output(
+    spark, kafka_bootstrap, new_topic, passthrough_input, tmp_path
+):
+    source, _ = passthrough_input
+    sink = new_topic(prefix="out")
+    app = f"fresh-{uuid.uuid4().hex[:8]}"
+    assert run_passthrough(kafka_bootstrap, source, sink, str(tmp_path / "a"), app).returncode == 0
+
+    again = run_passthrough(kafka_bootstrap, source, sink, str(tmp_path / "b"), app)
+    assert again.returncode == 1
+    assert "the checkpoint was deleted or belongs to another app" in again.stderr
+    assert len(read_committed(kafka_bootstrap, sink)) == INPUT_RECORDS
+
+
+def test_sink_without_app_id_fails_naming_the_option(spark, kafka_bootstrap, new_topic, tmp_path):
+    topic = new_topic()
+    produce(kafka_bootstrap, topic, [(None, b"x", 0)])
+    df = source_reader(spark, kafka_bootstrap, topic).selectExpr("value")
+    with pytest.raises(Exception, match="needs option 'appId'"):
+        (
+            df.writeStream.format("onceflow-kafka")
+            .option("kafka.bootstrap.servers", kafka_bootstrap)
+            .option("topic", topic)
+            .option("checkpointLocation", str(tmp_path / "ck"))
+            .trigger(availableNow=True)
+            .start()
+            .awaitTermination()
+        )
+    assert drain  # the shared helper module stays imported for the other tests
