@@ -10,6 +10,7 @@ one Kafka transaction (see publisher.py). Input columns follow Spark's Kafka sin
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,13 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from onceflow.connectors import faults
+from onceflow.connectors import faults, staging
 from onceflow.connectors.markers import DEFAULT_MARKER_TOPIC
 from onceflow.connectors.options import RESERVED_PRODUCER_KEYS, OptionError, kafka_conf
 from onceflow.connectors.publisher import publisher_for
+from onceflow.connectors.source import headers_type
+
+log = logging.getLogger("onceflow.sink")
 
 COLUMN_TYPES = {
     "value": (BinaryType, StringType),
@@ -86,12 +90,12 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
 
     def commit(self, messages: list, batchId: int) -> None:
         publisher = publisher_for(self.conf, self.transactional_id, self.marker_topic)
+        tables = [m.table for m in messages if m is not None and m.table is not None]
+        tables += staging.staged_tables(self.checkpoint, batchId)
         publisher.publish(
-            batchId,
-            self._query_id(),
-            _Records([m for m in messages if m is not None and m.table is not None]),
-            self._source_offsets(batchId),
+            batchId, self._query_id(), _Records(tables), self._source_offsets(batchId)
         )
+        staging.clean_up_to(self.checkpoint, batchId)
 
     def abort(self, messages: list, batchId: int) -> None:
         publisher_for(self.conf, self.transactional_id, self.marker_topic).abort_open_transaction()
@@ -116,19 +120,39 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
 
 
 class _Records:
-    """(topic, partition, key, value, headers) tuples of every task, re-iterable for retries."""
+    """(topic, partition, key, value, headers) tuples of an epoch, re-iterable for retries.
 
-    def __init__(self, messages: list[PreparedRecords]) -> None:
-        self.messages = messages
+    Staged side records (with a `source` column) are published once per source position;
+    those with no topic configured are logged with their position instead of published.
+    """
+
+    def __init__(self, tables: list) -> None:
+        self.tables = tables
 
     def __iter__(self):
-        for message in self.messages:
-            columns = [message.table.column(c).to_pylist() for c in PREPARED_COLUMNS]
-            for topic, partition, key, value, headers in zip(*columns, strict=True):
+        seen: set[str] = set()
+        for table in self.tables:
+            columns = [table.column(c).to_pylist() for c in PREPARED_COLUMNS]
+            if "source" not in table.column_names:
+                for topic, partition, key, value, headers in zip(*columns, strict=True):
+                    yield topic, partition, key, value, _header_tuples(headers)
+                continue
+            sources = table.column("source").to_pylist()
+            reasons = table.column("reason").to_pylist()
+            for *record, source, reason in zip(*columns, sources, reasons, strict=True):
+                if source in seen:
+                    continue
+                seen.add(source)
+                topic, partition, key, value, headers = record
+                if topic is None:
+                    log.warning(
+                        "no topic configured for %s record at %s: %s",
+                        "late" if reason == "late" else "dead-letter",
+                        source,
+                        reason,
+                    )
+                    continue
                 yield topic, partition, key, value, _header_tuples(headers)
-
-    def __len__(self) -> int:
-        return sum(m.rows for m in self.messages)
 
 
 def _header_tuples(headers: list[dict] | None) -> list[tuple] | None:
@@ -172,13 +196,12 @@ def _prepare(batch, default_topic: str | None, pa):
             f"row {row} of this task has a null 'topic' and the sink has no 'topic' option; "
             "set one, or give every row a topic"
         )
-    headers_type = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
     return pa.table(
         {
             "topic": topic,
             "partition": column("partition", pa.int32()),
             "key": column("key", pa.binary()),
             "value": column("value", pa.binary()),
-            "headers": column("headers", headers_type),
+            "headers": column("headers", headers_type(pa)),
         }
     )

@@ -296,7 +296,7 @@ class _Columns:
                 pa.array(self.offset, pa.int64()),
                 pa.array(self.timestamp, pa.timestamp("us", tz="UTC")),
                 pa.array(self.timestamp_type, pa.int32()),
-                pa.array(self.headers, HEADERS_ARROW_TYPE(pa)),
+                pa.array(self.headers, headers_type(pa)),
             ],
             names=SOURCE_COLUMNS,
         )
@@ -311,7 +311,8 @@ SOURCE_SCHEMA = (
 )
 
 
-def HEADERS_ARROW_TYPE(pa):
+def headers_type(pa):
+    """Kafka headers as Spark's Kafka source shows them: array<struct<key, value>>."""
     return pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
+from onceflow import config as pipeline_config
 from onceflow.local_kafka import LocalKafka, LocalKafkaError
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
@@ -24,9 +26,44 @@ def _kafka(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _validate(args: argparse.Namespace) -> int:
+    config = pipeline_config.load(args.pipeline)
+    kind = "windowed" if config.window else "transform" if config.transform else "pass-through"
+    print(f"{args.pipeline}: ok ({kind} pipeline {config.app_id!r}, "
+          f"{', '.join(config.source.topics)} -> {config.sink.topic})")  # fmt: skip
+    return EXIT_OK
+
+
+def _run(args: argparse.Namespace) -> int:
+    from onceflow.runner import run
+
+    run(pipeline_config.load(args.pipeline), available_now=args.available_now)
+    return EXIT_OK
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from onceflow.demo import run_demo
+
+    return run_demo(seconds=args.seconds)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onceflow", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run a pipeline until SIGTERM/SIGINT")
+    run.add_argument("pipeline", help="the pipeline YAML file")
+    run.add_argument("--available-now", action="store_true",
+                     help="process the backlog (with the final watermark advance), then exit")  # fmt: skip
+    run.set_defaults(handler=_run)
+
+    validate = commands.add_parser("validate", help="check a pipeline file without starting Spark")
+    validate.add_argument("pipeline")
+    validate.set_defaults(handler=_validate)
+
+    demo = commands.add_parser("demo", help="local broker + click stream + windowed pipeline")
+    demo.add_argument("--seconds", type=float, default=40.0, help="how long the stream runs")
+    demo.set_defaults(handler=_demo)
 
     kafka = commands.add_parser(
         "kafka", help="a local single-node Apache Kafka broker (jars from Maven Central)"
@@ -38,9 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    from onceflow.runner import PipelineFailed
+
     try:
         return args.handler(args)
-    except LocalKafkaError as exc:
+    except pipeline_config.ConfigError as exc:
+        print(f"onceflow: invalid pipeline: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except (LocalKafkaError, PipelineFailed) as exc:
         print(f"onceflow: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:

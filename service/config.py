@@ -1,0 +1,435 @@
+"""The pipeline file: loading, environment overrides, and validation with errors by field path.
+
+`onceflow validate` runs all of this without starting Spark. Any problem raises ConfigError
+naming the field (`source.schema`, `window.size`, ...); the CLI turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENV_PREFIX = "ONCEFLOW_"
+AGGREGATE_FUNCTIONS = ("count", "sum", "min", "max", "avg", "approx_count_distinct")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$")
+_UNIT_MS = {
+    **dict.fromkeys(("ms", "millis", "millisecond", "milliseconds"), 1),
+    **dict.fromkeys(("s", "sec", "second", "seconds"), 1000),
+    **dict.fromkeys(("m", "min", "minute", "minutes"), 60_000),
+    **dict.fromkeys(("h", "hour", "hours"), 3_600_000),
+    **dict.fromkeys(("d", "day", "days"), 86_400_000),
+}
+_AGGREGATION = re.compile(r"^\s*([a-z_]+)\s*\(\s*(\*|[A-Za-z_][A-Za-z0-9_.]*)\s*\)\s*$")
+_APP_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+class ConfigError(ValueError):
+    """The pipeline file is invalid; `path` names the field, the message says how to fix it."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    name: str
+    function: str
+    column: str  # "*" for count(*)
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    topics: list[str]
+    starting_offsets: str = "latest"
+    format: str = "json"
+    schema: str | None = None
+    schema_file: str | None = None
+    max_records_per_batch: int = 100_000
+    fail_on_data_loss: bool = True
+    min_partitions: int | None = None
+
+
+@dataclass(frozen=True)
+class EventTimeConfig:
+    field: str | None = None  # None: the Kafka record timestamp
+    watermark_delay_ms: int = 0
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    type: str
+    size_ms: int
+    slide_ms: int | None
+    gap_ms: int | None
+    key: list[str]
+    aggregations: list[Aggregation]
+    output_mode: str = "append"
+
+
+@dataclass(frozen=True)
+class SinkConfig:
+    topic: str
+    format: str = "json"
+    dead_letter_topic: str | None = None
+    late_topic: str | None = None
+    marker_topic: str | None = None
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    app_id: str
+    kafka: dict[str, str]
+    source: SourceConfig
+    sink: SinkConfig
+    checkpoint_location: str
+    trigger_interval_ms: int = 1000
+    event_time: EventTimeConfig = field(default_factory=EventTimeConfig)
+    window: WindowConfig | None = None
+    transform: str | None = None
+    spark_master: str = "local[*]"
+    spark_conf: dict[str, str] = field(default_factory=dict)
+    metrics_port: int | None = 9108
+    base_dir: Path = Path(".")
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return self.kafka["bootstrap.servers"]
+
+    def source_field_names(self) -> list[str]:
+        """Top-level fields of the decoded input record, from the DDL or the Avro schema."""
+        if self.source.format == "json":
+            return ddl_field_names(self.source.schema or "")
+        if self.source.format == "avro":
+            return [f["name"] for f in load_avro_schema(self, "source.schema_file")["fields"]]
+        return []
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def load(path: str | Path, environ: Mapping[str, str] | None = None) -> PipelineConfig:
+    """Read a pipeline file, apply ONCEFLOW_<SECTION>__<FIELD> overrides, validate it."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("", f"pipeline file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"{path} must hold a mapping of settings at the top level")
+    apply_env_overrides(raw, os.environ if environ is None else environ)
+    return parse(raw, base_dir=path.resolve().parent)
+
+
+def apply_env_overrides(raw: dict, environ: Mapping[str, str]) -> None:
+    """`ONCEFLOW_KAFKA__BOOTSTRAP_SERVERS=b:9092` sets kafka.bootstrap_servers, and so on.
+
+    Only names with a double underscore are overrides (ONCEFLOW_HOME and friends are not).
+    Values are read as YAML scalars, so numbers and booleans keep their types.
+    """
+    for name, value in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        keys = name[len(ENV_PREFIX) :].lower().split("__")
+        node = raw
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(".".join(keys), f"environment variable {name} cannot apply")
+        node[keys[-1]] = yaml.safe_load(value) if value else value
+
+
+def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
+    top = _Section(raw, "")
+    top.only(
+        "app_id", "kafka", "source", "event_time", "window", "transform", "sink",
+        "checkpoint", "spark", "metrics",
+    )  # fmt: skip
+    app_id = top.string("app_id", required=True)
+    if not _APP_ID.match(app_id):
+        raise ConfigError("app_id", f"{app_id!r} may use letters, digits, '.', '_' and '-' only")
+
+    kafka_raw = top.mapping("kafka", required=True)
+    kafka = {k.replace("_", ".") if k == "bootstrap_servers" else k: str(v)
+             for k, v in kafka_raw.items()}  # fmt: skip
+    if not kafka.get("bootstrap.servers"):
+        raise ConfigError("kafka.bootstrap_servers", "is required, e.g. 127.0.0.1:9092")
+
+    source = _source(_Section(top.mapping("source", required=True), "source"))
+    sink = _sink(_Section(top.mapping("sink", required=True), "sink"))
+
+    event = _Section(top.mapping("event_time"), "event_time")
+    event.only("field", "watermark_delay")
+    event_time = EventTimeConfig(
+        field=event.string("field"),
+        watermark_delay_ms=event.duration("watermark_delay", default="0s"),
+    )
+
+    if "window" in raw and "transform" in raw:
+        raise ConfigError("transform", "set either window or transform, not both")
+    window = _window(_Section(top.mapping("window"), "window")) if "window" in raw else None
+    transform = top.string("transform")
+    if transform is not None and not re.match(r"^[\w.]+:\w+$", transform):
+        raise ConfigError(
+            "transform", f"must look like 'package.module:function', got {transform!r}"
+        )
+
+    checkpoint = _Section(top.mapping("checkpoint", required=True), "checkpoint")
+    checkpoint.only("location", "interval")
+    location = checkpoint.string("location", required=True)
+    spark = _Section(top.mapping("spark"), "spark")
+    spark.only("master", "conf")
+    metrics = _Section(top.mapping("metrics"), "metrics")
+    metrics.only("port")
+
+    config = PipelineConfig(
+        app_id=app_id,
+        kafka=kafka,
+        source=source,
+        sink=sink,
+        checkpoint_location=str((base_dir / location).resolve())
+        if "://" not in location
+        else location,
+        trigger_interval_ms=checkpoint.duration("interval", default="1s"),
+        event_time=event_time,
+        window=window,
+        transform=transform,
+        spark_master=spark.string("master") or "local[*]",
+        spark_conf={str(k): str(v) for k, v in spark.mapping("conf").items()},
+        metrics_port=metrics.integer("port", default=9108, minimum=0),
+        base_dir=base_dir,
+    )
+    _check_fields(config)
+    return config
+
+
+def _source(s: _Section) -> SourceConfig:
+    s.only("topics", "starting_offsets", "format", "schema", "schema_file",
+           "max_records_per_batch", "fail_on_data_loss", "min_partitions")  # fmt: skip
+    topics = s.value("topics", required=True)
+    if isinstance(topics, str):
+        topics = [topics]
+    if not isinstance(topics, list) or not topics or not all(isinstance(t, str) for t in topics):
+        raise ConfigError("source.topics", "must be a non-empty list of topic names")
+    fmt = s.choice("format", ("json", "avro", "raw"), default="json")
+    schema = s.string("schema")
+    if fmt == "json" and not schema:
+        raise ConfigError(
+            "source.schema",
+            "is required for format json: a Spark DDL string such as "
+            '"user STRING, bytes LONG, ts LONG"',
+        )
+    schema_file = s.string("schema_file")
+    if fmt == "avro" and not schema_file:
+        raise ConfigError("source.schema_file", "is required for format avro: a path to an .avsc")
+    return SourceConfig(
+        topics=topics,
+        starting_offsets=s.choice("starting_offsets", ("earliest", "latest"), default="latest"),
+        format=fmt,
+        schema=schema,
+        schema_file=schema_file,
+        max_records_per_batch=s.integer("max_records_per_batch", default=100_000, minimum=1),
+        fail_on_data_loss=s.boolean("fail_on_data_loss", default=True),
+        min_partitions=s.integer("min_partitions", default=None, minimum=1),
+    )
+
+
+def _sink(s: _Section) -> SinkConfig:
+    s.only("topic", "format", "dead_letter_topic", "late_topic", "marker_topic")
+    return SinkConfig(
+        topic=s.string("topic", required=True),
+        format=s.choice("format", ("json", "avro"), default="json"),
+        dead_letter_topic=s.string("dead_letter_topic"),
+        late_topic=s.string("late_topic"),
+        marker_topic=s.string("marker_topic"),
+    )
+
+
+def _window(s: _Section) -> WindowConfig:
+    s.only("type", "size", "slide", "gap", "key", "aggregations", "output_mode")
+    kind = s.choice("type", ("tumbling", "sliding", "session"), required=True)
+    size = s.duration("size", required=kind != "session")
+    slide = s.duration("slide", required=kind == "sliding")
+    gap = s.duration("gap", required=kind == "session")
+    for name, given in (("size", size), ("slide", slide), ("gap", gap)):
+        allowed = {"tumbling": ("size",), "sliding": ("size", "slide"), "session": ("gap",)}[kind]
+        if given is not None and name not in allowed:
+            raise ConfigError(f"window.{name}", f"does not apply to {kind} windows")
+    if kind == "sliding" and slide > size:
+        raise ConfigError("window.slide", f"must not exceed window.size ({size} ms)")
+    key = s.value("key", required=True)
+    key = [key] if isinstance(key, str) else key
+    if not isinstance(key, list) or not key or not all(isinstance(k, str) for k in key):
+        raise ConfigError("window.key", "must be a field name or a list of field names")
+    aggs_raw = s.mapping("aggregations", required=True)
+    if not aggs_raw:
+        raise ConfigError("window.aggregations", "needs at least one aggregation")
+    aggregations = []
+    for name, expr in aggs_raw.items():
+        m = _AGGREGATION.match(str(expr))
+        path = f"window.aggregations.{name}"
+        if not m or m.group(1) not in AGGREGATE_FUNCTIONS:
+            raise ConfigError(
+                path,
+                f"{expr!r} is not one of {', '.join(f + '(field)' for f in AGGREGATE_FUNCTIONS)}",
+            )
+        if m.group(2) == "*" and m.group(1) != "count":
+            raise ConfigError(path, f"only count takes '*', not {m.group(1)}")
+        if name in ("key", "window_start", "window_end"):
+            raise ConfigError(path, f"'{name}' is a reserved output field; rename the aggregation")
+        aggregations.append(Aggregation(str(name), m.group(1), m.group(2)))
+    return WindowConfig(
+        type=kind,
+        size_ms=size or 0,
+        slide_ms=slide,
+        gap_ms=gap,
+        key=key,
+        aggregations=aggregations,
+        output_mode=s.choice("output_mode", ("append", "update"), default="append"),
+    )
+
+
+def _check_fields(config: PipelineConfig) -> None:
+    """Fields named by event_time and window must exist in the input record."""
+    names = config.source_field_names()
+    if not names:
+        if config.window is not None or config.event_time.field:
+            raise ConfigError("source.format", "raw input has no fields; windows need json or avro")
+        return
+    known = set(names)
+    wanted = [("event_time.field", config.event_time.field)]
+    if config.window is not None:
+        wanted += [("window.key", k) for k in config.window.key]
+        wanted += [(f"window.aggregations.{a.name}", a.column) for a in config.window.aggregations
+                   if a.column != "*"]  # fmt: skip
+    for path, name in wanted:
+        if name is not None and name not in known:
+            raise ConfigError(
+                path, f"field {name!r} is not in the input schema {names}{_hint(name, names)}"
+            )
+
+
+def ddl_field_names(ddl: str) -> list[str]:
+    """Top-level field names of a Spark DDL string like "a STRING, b STRUCT<x: INT>"."""
+    names, depth, current = [], 0, ""
+    for char in ddl + ",":
+        if char in "<(":
+            depth += 1
+        elif char in ">)":
+            depth -= 1
+        if char == "," and depth == 0:
+            part = current.strip()
+            if part:
+                names.append(part.split()[0].strip("`"))
+            current = ""
+        else:
+            current += char
+    return names
+
+
+def load_avro_schema(config: PipelineConfig, path_name: str) -> dict:
+    file = config.base_dir / (config.source.schema_file or "")
+    try:
+        schema = json.loads(file.read_text())
+    except OSError as exc:
+        raise ConfigError(path_name, f"cannot read {file}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(path_name, f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict) or schema.get("type") != "record":
+        raise ConfigError(path_name, f"{file} must hold an Avro record schema")
+    return schema
+
+
+def parse_duration_ms(text: Any, path: str) -> int:
+    m = _DURATION.match(str(text).lower())
+    if not m or m.group(2) not in _UNIT_MS:
+        raise ConfigError(path, f"{text!r} is not a duration; use e.g. 500ms, 10s, 5m, 1h")
+    return int(float(m.group(1)) * _UNIT_MS[m.group(2)])
+
+
+def _hint(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class _Section:
+    """Typed access to one mapping of the file, with errors that name the field path."""
+
+    def __init__(self, raw: Any, path: str) -> None:
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(path, "must be a mapping of settings")
+        self.raw, self.path = raw, path
+
+    def _name(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def only(self, *allowed: str) -> None:
+        for key in self.raw:
+            if key not in allowed:
+                raise ConfigError(
+                    self._name(str(key)), f"unknown field{_hint(str(key), list(allowed))}"
+                )
+
+    def value(self, key: str, required: bool = False) -> Any:
+        if self.raw.get(key) is None:
+            if required:
+                raise ConfigError(self._name(key), "is required")
+            return None
+        return self.raw[key]
+
+    def string(self, key: str, required: bool = False) -> str | None:
+        value = self.value(key, required)
+        if value is not None and not isinstance(value, str | int | float):
+            raise ConfigError(self._name(key), f"must be a string, got {value!r}")
+        return None if value is None else str(value)
+
+    def mapping(self, key: str, required: bool = False) -> dict:
+        value = self.value(key, required)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(self._name(key), f"must be a mapping, got {value!r}")
+        return value
+
+    def choice(self, key: str, options: tuple[str, ...], default: str | None = None,
+               required: bool = False) -> str:  # fmt: skip
+        value = self.string(key, required) or default
+        if value not in options:
+            raise ConfigError(
+                self._name(key), f"must be one of {', '.join(options)}, got {value!r}"
+            )
+        return value
+
+    def integer(self, key: str, default: int | None, minimum: int) -> int | None:
+        value = self.value(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(self._name(key), f"must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.value(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(self._name(key), f"must be true or false, got {value!r}")
+        return value
+
+    def duration(self, key: str, default: str | None = None, required: bool = False) -> int | None:
+        value = self.value(key, required)
+        if value is None:
+            return None if default is None else parse_duration_ms(default, self._name(key))
+        return parse_duration_ms(value, self._name(key))

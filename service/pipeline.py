@@ -1,0 +1,196 @@
+"""From a pipeline file to a running Spark streaming query: source -> route -> process -> sink.
+
+The processing itself is Spark's: `withWatermark`, `window` / `session_window` and the
+RocksDB state store, or a user's `transform` function (which may use transformWithState).
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import partial
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.types import StructField, StructType, TimestampType
+
+from onceflow import encoding
+from onceflow.config import ConfigError, PipelineConfig
+from onceflow.routing import CORRUPT, HEADER_SOURCE, SOURCE_META, RoutePlan, avro_field_types, route
+
+FORMAT = "onceflow-kafka"
+
+
+def source_stream(spark: SparkSession, config: PipelineConfig) -> DataFrame:
+    reader = spark.readStream.format(FORMAT)
+    for key, value in config.kafka.items():
+        reader = reader.option(f"kafka.{key}", value)
+    source = config.source
+    reader = (
+        reader.option("subscribe", ",".join(source.topics))
+        .option("startingOffsets", source.starting_offsets)
+        .option("maxOffsetsPerTrigger", str(source.max_records_per_batch))
+        .option("failOnDataLoss", str(source.fail_on_data_loss).lower())
+        .option("group.id", f"onceflow-{config.app_id}")
+    )
+    if source.min_partitions:
+        reader = reader.option("minPartitions", str(source.min_partitions))
+    return reader.load()
+
+
+def routed_stream(spark: SparkSession, config: PipelineConfig) -> DataFrame:
+    """Decoded, on-time input records; dead letters and late records are staged for the sink."""
+    raw = source_stream(spark, config)
+    staged = raw.select(
+        *[
+            F.col(c).alias(m)
+            for c, m in zip(
+                ("key", "value", "topic", "partition", "offset", "timestamp", "headers"),
+                SOURCE_META,
+                strict=True,
+            )
+        ]  # fmt: skip
+    )
+    source = config.source
+    if source.format == "json":
+        ddl = f"{source.schema}, {CORRUPT} STRING"
+        staged = staged.withColumn(
+            "_data",
+            F.from_json(
+                F.col("_value").cast("string"),
+                ddl,
+                {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT},
+            ),
+        )
+        fields = [f for f in staged.schema["_data"].dataType.fields if f.name != CORRUPT]
+    elif source.format == "avro":
+        types = avro_field_types(_avro_schema(config))
+        fields = list(StructType.fromDDL(", ".join(f"`{n}` {t}" for n, t in types.items())).fields)
+    else:
+        fields = []
+    window = config.window
+    plan = RoutePlan(
+        checkpoint=config.checkpoint_location,
+        format=source.format,
+        fields=tuple(f.name for f in fields),
+        required=tuple(window.key) if window else (),
+        event_time_field=config.event_time.field,
+        dead_letter_topic=config.sink.dead_letter_topic,
+        late_topic=config.sink.late_topic,
+        window_type=window.type if window else None,
+        window_size_ms=window.size_ms if window else 0,
+        window_slide_ms=(window.slide_ms or window.size_ms) if window else 0,
+        session_gap_ms=(window.gap_ms or 0) if window else 0,
+        avro_schema_json=_avro_schema_json(config) if source.format == "avro" else None,
+        json_schema_ddl=source.schema if source.format == "json" else None,
+    )
+    meta = [f for f in staged.schema.fields if f.name in SOURCE_META]
+    schema = StructType(
+        [StructField(f.name, f.dataType, True) for f in fields]
+        + [StructField("event_time", TimestampType(), True)]
+        + meta
+    )
+    return staged.mapInArrow(partial(route, plan), schema)
+
+
+def windowed(routed: DataFrame, config: PipelineConfig) -> DataFrame:
+    """Window results as key/value records (value: JSON or Avro, see encoding.py)."""
+    window = config.window
+    assert window is not None
+    delay = f"{config.event_time.watermark_delay_ms} milliseconds"
+    stream = routed.withWatermark("event_time", delay)
+    if window.type == "session":
+        bucket = F.session_window("event_time", f"{window.gap_ms} milliseconds")
+    else:
+        slide = f"{window.slide_ms} milliseconds" if window.slide_ms else None
+        bucket = F.window("event_time", f"{window.size_ms} milliseconds", slide)
+    aggregates = [_aggregate(a.function, a.column).alias(a.name) for a in window.aggregations]
+    grouped = stream.groupBy(bucket.alias("window"), *window.key).agg(*aggregates)
+    key = F.col(window.key[0]) if len(window.key) == 1 else F.struct(*window.key)
+    result = grouped.select(
+        key.alias("key"),
+        F.unix_millis(F.col("window.start")).alias("window_start"),
+        F.unix_millis(F.col("window.end")).alias("window_end"),
+        *[F.col(a.name) for a in window.aggregations],
+    )
+    return encoding.encode(result, config.sink.format)
+
+
+def transformed(routed: DataFrame, config: PipelineConfig) -> DataFrame:
+    """The user's `transform` function: DataFrame -> DataFrame with a `value` column."""
+    assert config.transform is not None
+    module_name, function_name = config.transform.split(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("transform", f"cannot load {config.transform!r}: {exc}") from None
+    stream = routed
+    if config.event_time.watermark_delay_ms or config.event_time.field:
+        stream = routed.withWatermark(
+            "event_time", f"{config.event_time.watermark_delay_ms} milliseconds"
+        )
+    result = function(stream)
+    if not isinstance(result, DataFrame) or "value" not in result.columns:
+        columns = result.columns if isinstance(result, DataFrame) else type(result).__name__
+        raise ConfigError(
+            "transform",
+            f"{config.transform} must return a DataFrame with a 'value' column (and optionally "
+            f"key, topic, partition, headers); it returned {columns}",
+        )
+    return result
+
+
+def passed_through(routed: DataFrame) -> DataFrame:
+    """Input records unchanged, with their source position in an `onceflow.source` header."""
+    position = F.concat_ws("/", "_topic", "_partition", "_offset").cast("binary")
+    source_header = F.struct(F.lit(HEADER_SOURCE).alias("key"), position.alias("value"))
+    headers = F.concat(F.coalesce("_headers", F.array().cast(routed.schema["_headers"].dataType)),
+                       F.array(source_header))  # fmt: skip
+    return routed.select(F.col("_key").alias("key"), F.col("_value").alias("value"),
+                         headers.alias("headers"))  # fmt: skip
+
+
+def start(
+    spark: SparkSession, config: PipelineConfig, available_now: bool = False
+) -> StreamingQuery:
+    routed = routed_stream(spark, config)
+    if config.window is not None:
+        output, mode = windowed(routed, config), config.window.output_mode
+    elif config.transform is not None:
+        output, mode = transformed(routed, config), "append"
+    else:
+        output, mode = passed_through(routed), "append"
+    writer = output.writeStream.format(FORMAT).outputMode(mode).queryName(config.app_id)
+    for key, value in config.kafka.items():
+        writer = writer.option(f"kafka.{key}", value)
+    writer = (
+        writer.option("topic", config.sink.topic)
+        .option("appId", config.app_id)
+        .option("sinkName", config.sink.topic)
+        .option("checkpointLocation", config.checkpoint_location)
+    )
+    if config.sink.marker_topic:
+        writer = writer.option("markerTopic", config.sink.marker_topic)
+    if available_now:
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime=f"{config.trigger_interval_ms} milliseconds")
+    return writer.start()
+
+
+def _aggregate(function: str, column: str):
+    if function == "count":
+        return F.count(F.lit(1)) if column == "*" else F.count(column)
+    return getattr(F, function)(column)
+
+
+def _avro_schema(config: PipelineConfig) -> dict:
+    from onceflow.config import load_avro_schema
+
+    return load_avro_schema(config, "source.schema_file")
+
+
+def _avro_schema_json(config: PipelineConfig) -> str:
+    import json
+
+    return json.dumps(_avro_schema(config))

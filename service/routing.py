@@ -1,0 +1,292 @@
+"""Every input record ends in exactly one place: the query, the dead letters, or the late topic.
+
+The router runs in the tasks that read the source (a narrow `mapInArrow` step, so Kafka is
+read once per epoch). It keeps decodable, on-time records in the query and stages the others
+for the sink's transaction (see onceflow.connectors.staging), with headers saying why.
+
+A record is late when every window it belongs to ends at or before the watermark of its
+epoch: the `batchWatermarkMs` Spark wrote ahead in the offset log for this batch, the same
+watermark Spark closes windows with. Late records are routed out before the aggregation, so
+Spark never silently drops one, and a window's result is final once it is published.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from onceflow.connectors import staging
+
+SOURCE_META = ("_key", "_value", "_topic", "_partition", "_offset", "_timestamp", "_headers")
+CORRUPT = "_corrupt_record"
+
+HEADER_ERROR = "onceflow.error"
+HEADER_SOURCE = "onceflow.source"
+HEADER_LATE = "onceflow.late"
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """What the router needs to know; pickled to executors with the query."""
+
+    checkpoint: str
+    format: str  # json | avro | raw
+    fields: tuple[str, ...]  # decoded top-level fields, in output order
+    required: tuple[str, ...]  # fields that must not be null (window keys)
+    event_time_field: str | None  # None: the Kafka timestamp
+    dead_letter_topic: str | None
+    late_topic: str | None
+    window_type: str | None = None  # tumbling | sliding | session, None: nothing is late
+    window_size_ms: int = 0
+    window_slide_ms: int = 0
+    session_gap_ms: int = 0
+    avro_schema_json: str | None = None
+    json_schema_ddl: str | None = None
+
+
+def route(plan: RoutePlan, batches: Iterator) -> Iterator:
+    """mapInArrow body: yield the records that stay in the query, stage the rest."""
+    import numpy as np
+    import pyarrow as pa
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    batch_id = int(context.getLocalProperty("streaming.sql.batchId"))
+    watermark_ms = batch_watermark_ms(plan.checkpoint, batch_id)
+    side: list[dict] = []
+    for batch in batches:
+        fields, reasons = _decode(plan, batch)
+        event_ms = _event_time_ms(plan, batch, fields)
+        _explain_missing(plan, fields, event_ms, reasons)
+        dead = np.array([r is not None for r in reasons], dtype=bool)
+        late = ~dead & _late(plan, event_ms, watermark_ms)
+        for row in np.flatnonzero(dead | late):
+            side.append(_side_record(plan, batch, int(row), reasons[row]))
+        keep = ~(dead | late)
+        if keep.any():
+            yield _output_batch(plan, batch, fields, event_ms, keep, pa)
+    if side:
+        staging.stage(plan.checkpoint, batch_id, context.partitionId(), _side_table(side, pa))
+
+
+def batch_watermark_ms(checkpoint: str, batch_id: int) -> int:
+    """The watermark Spark wrote ahead for this batch (line 2 of offsets/<batch id>)."""
+    return _read_watermark(str(checkpoint), batch_id)
+
+
+@cache
+def _read_watermark(checkpoint: str, batch_id: int) -> int:
+    path = Path(checkpoint.removeprefix("file:")) / "offsets" / str(batch_id)
+    metadata = json.loads(path.read_text().splitlines()[1])
+    return int(metadata.get("batchWatermarkMs", 0))
+
+
+# -- decoding ------------------------------------------------------------------------------
+
+
+def _decode(plan: RoutePlan, batch) -> tuple[dict, list[str | None]]:
+    """Decoded fields as Arrow arrays, and a reason for every record that cannot be decoded."""
+    if plan.format == "avro":
+        return _decode_avro(plan, batch.column("_value").to_pylist())
+    reasons: list[str | None] = [None] * batch.num_rows
+    value_nulls = batch.column("_value").is_null().to_pylist()
+    if plan.format == "raw":
+        return {}, ["record value is null" if n else None for n in value_nulls]
+    data = batch.column("_data")
+    bad = data.is_null().to_pylist()
+    corrupt = data.field(CORRUPT).is_valid().to_pylist()
+    for row in range(batch.num_rows):
+        if value_nulls[row]:
+            reasons[row] = "record value is null"
+        elif bad[row] or corrupt[row]:
+            reasons[row] = json_error(
+                batch.column("_value")[row].as_py(), plan.json_schema_ddl or ""
+            )
+    return {f: data.field(f) for f in plan.fields}, reasons
+
+
+def json_error(value: bytes, ddl: str) -> str:
+    """Why a value does not decode as a JSON object of the schema: the first problem found."""
+    try:
+        parsed = json.loads(value)
+    except UnicodeDecodeError as exc:
+        return f"value is not UTF-8 text (byte {exc.start})"
+    except json.JSONDecodeError as exc:
+        return f"value is not valid JSON: {exc.msg} at character {exc.pos}"
+    if not isinstance(parsed, dict):
+        return f"value is JSON {type(parsed).__name__}, not an object"
+    integer, number = int, (int, float)
+    expected = {"BIGINT": integer, "LONG": integer, "INT": integer, "INTEGER": integer,
+                "SMALLINT": integer, "DOUBLE": number, "FLOAT": number, "BOOLEAN": bool,
+                "STRING": str}  # fmt: skip
+    for part in ddl.split(","):
+        words = part.split()
+        if len(words) >= 2 and parsed.get(words[0]) is not None:
+            kind, got = expected.get(words[1].upper()), parsed[words[0]]
+            if kind and (not isinstance(got, kind) or (kind is int and isinstance(got, bool))):
+                return f"field {words[0]!r} is {json.dumps(got)[:80]}, not {words[1].upper()}"
+    return f"value does not match the schema {ddl!r}"
+
+
+def _decode_avro(plan: RoutePlan, values: list) -> tuple[dict, list[str | None]]:
+    import pyarrow as pa
+    from fastavro import schemaless_reader
+
+    schema = _avro_schema(plan.avro_schema_json)
+    columns: dict[str, list] = {f: [] for f in plan.fields}
+    reasons: list[str | None] = []
+    for value in values:
+        record, reason = None, None
+        if value is None:
+            reason = "record value is null"
+        else:
+            try:
+                buffer = io.BytesIO(value)
+                record = schemaless_reader(buffer, schema, None)
+                if buffer.tell() != len(value):
+                    raise ValueError(f"{len(value) - buffer.tell()} bytes left over")
+            except Exception as exc:  # fastavro raises many kinds for corrupt bytes
+                reason = f"value is not Avro of schema {schema.get('name')!r}: {exc}"
+                record = None
+        reasons.append(reason)
+        for f in plan.fields:
+            columns[f].append(record.get(f) if record else None)
+    types = avro_arrow_types(json.loads(plan.avro_schema_json or "{}"))
+    return {f: pa.array(columns[f], types[f]) for f in plan.fields}, reasons
+
+
+@cache
+def _avro_schema(schema_json: str | None) -> dict:
+    from fastavro import parse_schema
+
+    return parse_schema(json.loads(schema_json or "{}"))
+
+
+AVRO_TYPES = {"string": ("STRING", "string"), "long": ("BIGINT", "int64"),
+              "int": ("INT", "int32"), "double": ("DOUBLE", "float64"),
+              "float": ("FLOAT", "float32"), "boolean": ("BOOLEAN", "bool_"),
+              "bytes": ("BINARY", "binary")}  # fmt: skip
+
+
+def avro_field_types(schema: dict) -> dict[str, str]:
+    """Spark SQL type per top-level field of a flat Avro record schema (nullable unions ok)."""
+    result = {}
+    for field in schema.get("fields", []):
+        kind = field["type"]
+        if isinstance(kind, list):
+            kinds = [k for k in kind if k != "null"]
+            kind = kinds[0] if len(kinds) == 1 else None
+        if isinstance(kind, dict):
+            kind = kind.get("type") if kind.get("logicalType") else None
+        if kind not in AVRO_TYPES:
+            raise ValueError(
+                f"Avro field {field['name']!r} has type {field['type']!r}; onceflow reads flat "
+                f"records of {', '.join(AVRO_TYPES)} (optionally nullable)"
+            )
+        result[field["name"]] = AVRO_TYPES[kind][0]
+    return result
+
+
+def avro_arrow_types(schema: dict) -> dict:
+    import pyarrow as pa
+
+    arrow = {sql: getattr(pa, name)() for sql, name in AVRO_TYPES.values()}
+    return {name: arrow[sql] for name, sql in avro_field_types(schema).items()}
+
+
+def _explain_missing(plan: RoutePlan, fields: dict, event_ms, reasons: list) -> None:
+    """Decodable records without an event time or a key value cannot be windowed."""
+    import numpy as np
+
+    what = (
+        f"event time field {plan.event_time_field!r}"
+        if plan.event_time_field
+        else "the Kafka timestamp"
+    )
+    for row in np.flatnonzero(np.isnan(event_ms)):
+        if reasons[row] is None:
+            reasons[row] = f"{what} is missing or null"
+    for field in plan.required:
+        for row in np.flatnonzero(fields[field].is_null().to_numpy(zero_copy_only=False)):
+            if reasons[row] is None:
+                reasons[row] = f"key field {field!r} is missing or null"
+
+
+# -- event time and lateness ---------------------------------------------------------------
+
+
+def _event_time_ms(plan: RoutePlan, batch, fields: dict):
+    """Event time per record in epoch ms, as float64 with NaN where it is missing."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if plan.event_time_field is None:
+        column, scale = batch.column("_timestamp"), 1000.0  # microseconds
+    else:
+        column = fields[plan.event_time_field]
+        scale = 1000.0 if pa.types.is_timestamp(column.type) else 1.0
+    if pa.types.is_timestamp(column.type):
+        column = column.cast(pa.int64())
+    return pc.divide(column.cast(pa.float64()), scale).to_numpy(zero_copy_only=False)
+
+
+def _late(plan: RoutePlan, event_ms, watermark_ms: int):
+    """True where every window of the record ends at or before the watermark."""
+    import numpy as np
+
+    t = np.nan_to_num(event_ms, nan=np.inf)
+    if plan.window_type == "tumbling":
+        last_end = np.floor(t / plan.window_size_ms) * plan.window_size_ms + plan.window_size_ms
+    elif plan.window_type == "sliding":
+        last_end = np.floor(t / plan.window_slide_ms) * plan.window_slide_ms + plan.window_size_ms
+    elif plan.window_type == "session":
+        last_end = t + plan.session_gap_ms
+    else:
+        return np.zeros(len(t), dtype=bool)
+    return last_end <= watermark_ms
+
+
+# -- output --------------------------------------------------------------------------------
+
+
+def _output_batch(plan: RoutePlan, batch, fields: dict, event_ms, keep, pa):
+    import numpy as np
+
+    mask = pa.array(keep)
+    micros = (np.nan_to_num(event_ms[keep]) * 1000).astype("int64")
+    arrays = [fields[f].filter(mask) for f in plan.fields]
+    arrays.append(pa.array(micros, pa.timestamp("us", tz="UTC")))
+    arrays += [batch.column(meta).filter(mask) for meta in SOURCE_META]
+    return pa.RecordBatch.from_arrays(arrays, names=[*plan.fields, "event_time", *SOURCE_META])
+
+
+def _side_record(plan: RoutePlan, batch, row: int, reason: str | None) -> dict:
+    def get(column: str):
+        return batch.column(column)[row].as_py()
+
+    position = f"{get('_topic')}/{get('_partition')}/{get('_offset')}"
+    headers = list(get("_headers") or [])
+    if reason is not None:
+        topic = plan.dead_letter_topic
+        headers += [{"key": HEADER_ERROR, "value": reason.encode()}]
+    else:
+        topic = plan.late_topic
+        headers += [{"key": HEADER_LATE, "value": b"true"}]
+    headers += [{"key": HEADER_SOURCE, "value": position.encode()}]
+    return {
+        "topic": topic,  # None: no topic configured; the sink counts and logs it
+        "partition": None,
+        "key": get("_key"),
+        "value": get("_value"),
+        "headers": headers,
+        "source": position,
+        "reason": reason or "late",
+    }
+
+
+def _side_table(rows: list[dict], pa):
+    return pa.Table.from_pylist(rows, schema=staging.staged_schema(pa))

@@ -1,0 +1,93 @@
+"""Running a pipeline: start the query, finish the current epoch on SIGTERM/SIGINT, exit cleanly."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+from onceflow import pipeline
+from onceflow.config import ConfigError, PipelineConfig
+from onceflow.spark_session import build_session
+
+log = logging.getLogger("onceflow.run")
+
+GRACEFUL_STOP_TIMEOUT_S = 300.0
+APP_FILE = "onceflow-app.json"
+# Errors raised by onceflow inside Spark's Python workers: their message is the whole story.
+KNOWN_ERRORS = re.compile(
+    r"(?:onceflow\S*\.)?(FencedError|CheckpointMismatchError|DataLossError|OptionError): (.*)"
+)
+
+
+class PipelineFailed(RuntimeError):
+    """The streaming query died; the message is the cause, without the JVM stack trace."""
+
+
+def run(config: PipelineConfig, available_now: bool = False) -> None:
+    """Run until the backlog is drained (available_now) or a stop signal; raise on failure."""
+    claim_checkpoint(config)
+    spark = build_session(config.spark_master, f"onceflow-{config.app_id}", config.spark_conf)
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        query = pipeline.start(spark, config, available_now)
+        log.info("query %s started (checkpoint %s)", config.app_id, config.checkpoint_location)
+        while query.isActive and not stop.is_set():
+            query.awaitTermination(0.5)
+        if stop.is_set() and query.isActive:
+            _stop_after_current_epoch(query)
+        error = query.exception()
+        if error is not None:
+            raise PipelineFailed(explain(str(error)))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop_after_current_epoch(query) -> None:
+    """Let a running epoch commit, then stop before the next one starts."""
+    log.info("stop requested: finishing the current epoch")
+    deadline = time.monotonic() + GRACEFUL_STOP_TIMEOUT_S
+    while query.status.get("isTriggerActive") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    query.stop()
+
+
+def claim_checkpoint(config: PipelineConfig) -> None:
+    """A checkpoint belongs to one app: refuse another app's instead of reprocessing into it."""
+    location = config.checkpoint_location
+    if "://" in location and not location.startswith("file:"):
+        return  # remote storage: Spark guards it; the sink's markers still check its identity
+    directory = Path(location.removeprefix("file:"))
+    app_file = directory / APP_FILE
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if app_file.exists():
+            owner = json.loads(app_file.read_text()).get("app_id")
+            if owner != config.app_id:
+                raise ConfigError(
+                    "checkpoint.location",
+                    f"{directory} belongs to app {owner!r}, not {config.app_id!r}; point this "
+                    "app at its own checkpoint directory",
+                )
+        else:
+            app_file.write_text(json.dumps({"app_id": config.app_id}))
+    except OSError as exc:
+        raise ConfigError(
+            "checkpoint.location",
+            f"{directory} is not usable ({exc.strerror}); it must be a writable directory",
+        ) from None
+
+
+def explain(error_text: str) -> str:
+    """The onceflow error inside a StreamingQueryException, or its first line."""
+    match = KNOWN_ERRORS.search(error_text)
+    if match:
+        return f"{match.group(1)}: {match.group(2).strip()}"
+    lines = [line for line in error_text.splitlines() if line.strip()]
+    return lines[0] if lines else "the streaming query failed"
