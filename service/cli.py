@@ -53,8 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run a pipeline until SIGTERM/SIGINT")
     run.add_argument("pipeline", help="the pipeline YAML file")
-    run.add_argument("--available-now", action="store_true",
-                     help="process the backlog (with the final watermark advance), then exit")  # fmt: skip
+    run.add_argument(
+        "--available-now",
+        action="store_true",
+        help="process the backlog (with the final watermark advance), then exit",
+    )
     run.set_defaults(handler=_run)
 
     validate = commands.add_parser("validate", help="check a pipeline file without starting Spark")

@@ -41,16 +41,8 @@ def source_stream(spark: SparkSession, config: PipelineConfig) -> DataFrame:
 def routed_stream(spark: SparkSession, config: PipelineConfig) -> DataFrame:
     """Decoded, on-time input records; dead letters and late records are staged for the sink."""
     raw = source_stream(spark, config)
-    staged = raw.select(
-        *[
-            F.col(c).alias(m)
-            for c, m in zip(
-                ("key", "value", "topic", "partition", "offset", "timestamp", "headers"),
-                SOURCE_META,
-                strict=True,
-            )
-        ]  # fmt: skip
-    )
+    columns = ("key", "value", "topic", "partition", "offset", "timestamp", "headers")
+    staged = raw.select(*[F.col(c).alias(m) for c, m in zip(columns, SOURCE_META, strict=True)])
     source = config.source
     if source.format == "json":
         ddl = f"{source.schema}, {CORRUPT} STRING"
