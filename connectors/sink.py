@@ -92,9 +92,9 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
         publisher = publisher_for(self.conf, self.transactional_id, self.marker_topic)
         tables = [m.table for m in messages if m is not None and m.table is not None]
         tables += staging.staged_tables(self.checkpoint, batchId)
-        publisher.publish(
-            batchId, self._query_id(), _Records(tables), self._source_offsets(batchId)
-        )
+        if any(t.num_rows for t in tables):  # an empty epoch needs no transaction
+            records = _Records(tables)
+            publisher.publish(batchId, self._query_id(), records, self._source_offsets(batchId))
         staging.clean_up_to(self.checkpoint, batchId)
 
     def abort(self, messages: list, batchId: int) -> None:
@@ -117,6 +117,27 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
         except OSError:
             return []
         return [json.loads(line) if line.startswith("{") else line for line in lines[2:]]
+
+
+class ForeachBatchSink:
+    """The same two-phase publish for queries Spark's Python sinks do not take (update mode).
+
+    Use as `writeStream.foreachBatch(ForeachBatchSink(options))`: the batch's rows are
+    collected to the driver (phase 1) and published with the marker (phase 2) before Spark
+    writes its commit log, exactly as `KafkaStreamWriter.commit` does.
+    """
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.options = dict(options)
+
+    def __call__(self, batch, batch_id: int) -> None:
+        import pyarrow as pa
+
+        writer = KafkaStreamWriter(self.options, batch.schema)
+        table = batch.toArrow()
+        prepared = [_prepare(b, writer.default_topic, pa) for b in table.to_batches()]
+        messages = [PreparedRecords(t, t.num_rows) for t in prepared if t.num_rows]
+        writer.commit(messages, batch_id)
 
 
 class _Records:

@@ -16,6 +16,7 @@ from pyspark.sql.types import StructField, StructType, TimestampType
 
 from onceflow import encoding
 from onceflow.config import ConfigError, PipelineConfig
+from onceflow.connectors.sink import ForeachBatchSink
 from onceflow.routing import CORRUPT, HEADER_SOURCE, SOURCE_META, RoutePlan, avro_field_types, route
 
 FORMAT = "onceflow-kafka"
@@ -152,17 +153,21 @@ def start(
         output, mode = transformed(routed, config), "append"
     else:
         output, mode = passed_through(routed), "append"
-    writer = output.writeStream.format(FORMAT).outputMode(mode).queryName(config.app_id)
-    for key, value in config.kafka.items():
-        writer = writer.option(f"kafka.{key}", value)
-    writer = (
-        writer.option("topic", config.sink.topic)
-        .option("appId", config.app_id)
-        .option("sinkName", config.sink.topic)
-        .option("checkpointLocation", config.checkpoint_location)
-    )
+    options = {f"kafka.{key}": value for key, value in config.kafka.items()}
+    options |= {
+        "topic": config.sink.topic,
+        "appId": config.app_id,
+        "sinkName": config.sink.topic,
+        "checkpointLocation": config.checkpoint_location,
+    }
     if config.sink.marker_topic:
-        writer = writer.option("markerTopic", config.sink.marker_topic)
+        options["markerTopic"] = config.sink.marker_topic
+    writer = output.writeStream.outputMode(mode).queryName(config.app_id)
+    if mode == "update":  # Spark's Python sinks take append mode only
+        writer = writer.foreachBatch(ForeachBatchSink(options))
+    else:
+        writer = writer.format(FORMAT)
+    writer = writer.options(**options)
     if available_now:
         writer = writer.trigger(availableNow=True)
     else:
