@@ -303,8 +303,15 @@ class _Columns:
 
 
 SOURCE_COLUMNS = [
-    "key", "value", "topic", "partition", "offset", "timestamp", "timestampType", "headers",
-]  # fmt: skip
+    "key",
+    "value",
+    "topic",
+    "partition",
+    "offset",
+    "timestamp",
+    "timestampType",
+    "headers",
+]
 SOURCE_SCHEMA = (
     "key BINARY, value BINARY, topic STRING, partition INT, offset BIGINT, "
     "timestamp TIMESTAMP, timestampType INT, headers ARRAY<STRUCT<key: STRING, value: BINARY>>"

@@ -29,8 +29,10 @@ def _kafka(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     config = pipeline_config.load(args.pipeline)
     kind = "windowed" if config.window else "transform" if config.transform else "pass-through"
-    print(f"{args.pipeline}: ok ({kind} pipeline {config.app_id!r}, "
-          f"{', '.join(config.source.topics)} -> {config.sink.topic})")  # fmt: skip
+    print(
+        f"{args.pipeline}: ok ({kind} pipeline {config.app_id!r}, "
+        f"{', '.join(config.source.topics)} -> {config.sink.topic})"
+    )
     return EXIT_OK
 
 

@@ -152,16 +152,25 @@ def apply_env_overrides(raw: dict, environ: Mapping[str, str]) -> None:
 def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
     top = _Section(raw, "")
     top.only(
-        "app_id", "kafka", "source", "event_time", "window", "transform", "sink",
-        "checkpoint", "spark", "metrics",
-    )  # fmt: skip
+        "app_id",
+        "kafka",
+        "source",
+        "event_time",
+        "window",
+        "transform",
+        "sink",
+        "checkpoint",
+        "spark",
+        "metrics",
+    )
     app_id = top.string("app_id", required=True)
     if not _APP_ID.match(app_id):
         raise ConfigError("app_id", f"{app_id!r} may use letters, digits, '.', '_' and '-' only")
 
     kafka_raw = top.mapping("kafka", required=True)
-    kafka = {k.replace("_", ".") if k == "bootstrap_servers" else k: str(v)
-             for k, v in kafka_raw.items()}  # fmt: skip
+    kafka = {
+        k.replace("_", ".") if k == "bootstrap_servers" else k: str(v) for k, v in kafka_raw.items()
+    }
     if not kafka.get("bootstrap.servers"):
         raise ConfigError("kafka.bootstrap_servers", "is required, e.g. 127.0.0.1:9092")
 
@@ -214,8 +223,16 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
 
 
 def _source(s: _Section) -> SourceConfig:
-    s.only("topics", "starting_offsets", "format", "schema", "schema_file",
-           "max_records_per_batch", "fail_on_data_loss", "min_partitions")  # fmt: skip
+    s.only(
+        "topics",
+        "starting_offsets",
+        "format",
+        "schema",
+        "schema_file",
+        "max_records_per_batch",
+        "fail_on_data_loss",
+        "min_partitions",
+    )
     topics = s.value("topics", required=True)
     if isinstance(topics, str):
         topics = [topics]
@@ -310,8 +327,11 @@ def _check_fields(config: PipelineConfig) -> None:
     wanted = [("event_time.field", config.event_time.field)]
     if config.window is not None:
         wanted += [("window.key", k) for k in config.window.key]
-        wanted += [(f"window.aggregations.{a.name}", a.column) for a in config.window.aggregations
-                   if a.column != "*"]  # fmt: skip
+        wanted += [
+            (f"window.aggregations.{a.name}", a.column)
+            for a in config.window.aggregations
+            if a.column != "*"
+        ]
     for path, name in wanted:
         if name is not None and name not in known:
             raise ConfigError(
@@ -403,8 +423,9 @@ class _Section:
             raise ConfigError(self._name(key), f"must be a mapping, got {value!r}")
         return value
 
-    def choice(self, key: str, options: tuple[str, ...], default: str | None = None,
-               required: bool = False) -> str:  # fmt: skip
+    def choice(
+        self, key: str, options: tuple[str, ...], default: str | None = None, required: bool = False
+    ) -> str:
         value = self.string(key, required) or default
         if value not in options:
             raise ConfigError(

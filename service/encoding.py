@@ -26,8 +26,15 @@ from pyspark.sql.types import (
     StructType,
 )
 
-AVRO_OF_SPARK = {LongType: "long", IntegerType: "int", DoubleType: "double", FloatType: "float",
-                 StringType: "string", BooleanType: "boolean", BinaryType: "bytes"}  # fmt: skip
+AVRO_OF_SPARK = {
+    LongType: "long",
+    IntegerType: "int",
+    DoubleType: "double",
+    FloatType: "float",
+    StringType: "string",
+    BooleanType: "boolean",
+    BinaryType: "bytes",
+}
 
 
 def encode(result: DataFrame, fmt: str) -> DataFrame:

@@ -137,10 +137,13 @@ def passed_through(routed: DataFrame) -> DataFrame:
     """Input records unchanged, with their source position in an `onceflow.source` header."""
     position = F.concat_ws("/", "_topic", "_partition", "_offset").cast("binary")
     source_header = F.struct(F.lit(HEADER_SOURCE).alias("key"), position.alias("value"))
-    headers = F.concat(F.coalesce("_headers", F.array().cast(routed.schema["_headers"].dataType)),
-                       F.array(source_header))  # fmt: skip
-    return routed.select(F.col("_key").alias("key"), F.col("_value").alias("value"),
-                         headers.alias("headers"))  # fmt: skip
+    headers = F.concat(
+        F.coalesce("_headers", F.array().cast(routed.schema["_headers"].dataType)),
+        F.array(source_header),
+    )
+    return routed.select(
+        F.col("_key").alias("key"), F.col("_value").alias("value"), headers.alias("headers")
+    )
 
 
 def start(

@@ -120,9 +120,17 @@ def json_error(value: bytes, ddl: str) -> str:
     if not isinstance(parsed, dict):
         return f"value is JSON {type(parsed).__name__}, not an object"
     integer, number = int, (int, float)
-    expected = {"BIGINT": integer, "LONG": integer, "INT": integer, "INTEGER": integer,
-                "SMALLINT": integer, "DOUBLE": number, "FLOAT": number, "BOOLEAN": bool,
-                "STRING": str}  # fmt: skip
+    expected = {
+        "BIGINT": integer,
+        "LONG": integer,
+        "INT": integer,
+        "INTEGER": integer,
+        "SMALLINT": integer,
+        "DOUBLE": number,
+        "FLOAT": number,
+        "BOOLEAN": bool,
+        "STRING": str,
+    }
     for part in ddl.split(","):
         words = part.split()
         if len(words) >= 2 and parsed.get(words[0]) is not None:
@@ -166,10 +174,15 @@ def _avro_schema(schema_json: str | None) -> dict:
     return parse_schema(json.loads(schema_json or "{}"))
 
 
-AVRO_TYPES = {"string": ("STRING", "string"), "long": ("BIGINT", "int64"),
-              "int": ("INT", "int32"), "double": ("DOUBLE", "float64"),
-              "float": ("FLOAT", "float32"), "boolean": ("BOOLEAN", "bool_"),
-              "bytes": ("BINARY", "binary")}  # fmt: skip
+AVRO_TYPES = {
+    "string": ("STRING", "string"),
+    "long": ("BIGINT", "int64"),
+    "int": ("INT", "int32"),
+    "double": ("DOUBLE", "float64"),
+    "float": ("FLOAT", "float32"),
+    "boolean": ("BOOLEAN", "bool_"),
+    "bytes": ("BINARY", "binary"),
+}
 
 
 def avro_field_types(schema: dict) -> dict[str, str]:

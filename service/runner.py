@@ -28,12 +28,20 @@ class PipelineFailed(RuntimeError):
     """The streaming query died; the message is the cause, without the JVM stack trace."""
 
 
-def run(config: PipelineConfig, available_now: bool = False) -> None:
-    """Run until the backlog is drained (available_now) or a stop signal; raise on failure."""
+def run(
+    config: PipelineConfig, available_now: bool = False, stop: threading.Event | None = None
+) -> None:
+    """Run until the backlog is drained (available_now), SIGTERM/SIGINT or `stop` is set.
+
+    Raises PipelineFailed when the query dies.
+    """
     claim_checkpoint(config)
     spark = build_session(config.spark_master, f"onceflow-{config.app_id}", config.spark_conf)
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop = stop or threading.Event()
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            handlers[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
         query = pipeline.start(spark, config, available_now)
         log.info("query %s started (checkpoint %s)", config.app_id, config.checkpoint_location)
@@ -45,7 +53,7 @@ def run(config: PipelineConfig, available_now: bool = False) -> None:
         if error is not None:
             raise PipelineFailed(explain(str(error)))
     finally:
-        for sig, handler in previous.items():
+        for sig, handler in handlers.items():
             signal.signal(sig, handler)
 
 

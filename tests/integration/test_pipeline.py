@@ -35,13 +35,21 @@ def pipeline(topics, tmp_path, bootstrap: str, window: dict | None = None) -> di
     config = {
         "app_id": f"test-{topics['in']}",
         "kafka": {"bootstrap_servers": bootstrap},
-        "source": {"topics": [topics["in"]], "starting_offsets": "earliest", "format": "json",
-                   "schema": SCHEMA, "max_records_per_batch": 100_000},
+        "source": {
+            "topics": [topics["in"]],
+            "starting_offsets": "earliest",
+            "format": "json",
+            "schema": SCHEMA,
+            "max_records_per_batch": 100_000,
+        },
         "event_time": {"field": "ts", "watermark_delay": "5s"},
-        "sink": {"topic": topics["out"], "dead_letter_topic": topics["dlq"],
-                 "late_topic": topics["late"]},
+        "sink": {
+            "topic": topics["out"],
+            "dead_letter_topic": topics["dlq"],
+            "late_topic": topics["late"],
+        },
         "checkpoint": {"location": str(tmp_path / "ck")},
-    }  # fmt: skip
+    }
     if window is not None:
         config["window"] = window
     return config
@@ -70,24 +78,38 @@ def tumbling_expected(events: list[tuple[str, int]], size: int) -> dict[tuple, d
 def test_tumbling_windows_with_dead_letters_late_records_and_exact_accounting(
     kafka_bootstrap, spark, topics, tmp_path
 ):
-    window = {"type": "tumbling", "size": "10s", "key": "user",
-              "aggregations": {"clicks": "count(*)", "bytes": "sum(bytes)"}}  # fmt: skip
+    window = {
+        "type": "tumbling",
+        "size": "10s",
+        "key": "user",
+        "aggregations": {"clicks": "count(*)", "bytes": "sum(bytes)"},
+    }
     config = parse(pipeline(topics, tmp_path, kafka_bootstrap, window))
     on_time = [(f"u{i % 3}", BASE + i * 97) for i in range(600)]  # about 58 s of events
-    malformed = [b"{not json", json.dumps({"user": "u1", "bytes": "abc", "ts": BASE}).encode(),
-                 json.dumps({"user": "u1", "bytes": 1}).encode(), json.dumps({"ts": BASE}).encode(),
-                 None]  # fmt: skip
-    produce(kafka_bootstrap, topics["in"],
-            [(u.encode(), click(u, ts), i % 2) for i, (u, ts) in enumerate(on_time)]
-            + [(b"bad", v, 0) for v in malformed])  # fmt: skip
+    malformed = [
+        b"{not json",
+        json.dumps({"user": "u1", "bytes": "abc", "ts": BASE}).encode(),
+        json.dumps({"user": "u1", "bytes": 1}).encode(),
+        json.dumps({"ts": BASE}).encode(),
+        None,
+    ]
+    produce(
+        kafka_bootstrap,
+        topics["in"],
+        [(u.encode(), click(u, ts), i % 2) for i, (u, ts) in enumerate(on_time)]
+        + [(b"bad", v, 0) for v in malformed],
+    )
     run(config, available_now=True)
 
     # Behind the watermark now (it is past BASE + 50 s): late. One far-ahead record closes
     # every window of the first run; its own window stays open.
     late = [("u1", BASE + 1_000), ("u2", BASE + 12_000)]
-    produce(kafka_bootstrap, topics["in"],
-            [(u.encode(), click(u, ts), 1) for u, ts in late]
-            + [(b"u0", click("u0", BASE + 1_000_000), 0)])  # fmt: skip
+    produce(
+        kafka_bootstrap,
+        topics["in"],
+        [(u.encode(), click(u, ts), 1) for u, ts in late]
+        + [(b"u0", click("u0", BASE + 1_000_000), 0)],
+    )
     run(config, available_now=True)
 
     assert results(kafka_bootstrap, topics["out"]) == tumbling_expected(on_time, 10_000)
@@ -101,8 +123,10 @@ def test_tumbling_windows_with_dead_letters_late_records_and_exact_accounting(
         "key field 'user' is missing or null",
         "record value is null",
     }
-    assert all(dict(m.headers())["onceflow.source"].startswith(topics["in"].encode() + b"/0/")
-               for m in dead)  # fmt: skip
+    assert all(
+        dict(m.headers())["onceflow.source"].startswith(topics["in"].encode() + b"/0/")
+        for m in dead
+    )
     late_out = read_committed(kafka_bootstrap, topics["late"])
     assert sorted(m.value() for m in late_out) == sorted(click(u, ts) for u, ts in late)
     assert all(dict(m.headers())["onceflow.late"] == b"true" for m in late_out)
@@ -116,34 +140,55 @@ def test_tumbling_windows_with_dead_letters_late_records_and_exact_accounting(
 def test_sliding_windows_count_each_event_in_every_window_it_falls_in(
     kafka_bootstrap, spark, topics, tmp_path
 ):
-    window = {"type": "sliding", "size": "10s", "slide": "5s", "key": "user",
-              "aggregations": {"clicks": "count(*)"}}  # fmt: skip
+    window = {
+        "type": "sliding",
+        "size": "10s",
+        "slide": "5s",
+        "key": "user",
+        "aggregations": {"clicks": "count(*)"},
+    }
     config = parse(pipeline(topics, tmp_path, kafka_bootstrap, window))
     events = [("a", BASE + 1_000), ("a", BASE + 6_000), ("a", BASE + 12_000), ("b", BASE + 7_000)]
-    produce(kafka_bootstrap, topics["in"],
-            [(u.encode(), click(u, ts), 0) for u, ts in events]
-            + [(b"z", click("z", BASE + 100_000), 0)])  # fmt: skip
+    produce(
+        kafka_bootstrap,
+        topics["in"],
+        [(u.encode(), click(u, ts), 0) for u, ts in events]
+        + [(b"z", click("z", BASE + 100_000), 0)],
+    )
     run(config, available_now=True)
 
     got = {k: v["clicks"] for k, v in results(kafka_bootstrap, topics["out"]).items()}
     assert got == {
-        ('"a"', BASE - 5_000): 1, ('"a"', BASE): 2, ('"a"', BASE + 5_000): 2,
-        ('"a"', BASE + 10_000): 1, ('"b"', BASE): 1, ('"b"', BASE + 5_000): 1,
-    }  # fmt: skip
+        ('"a"', BASE - 5_000): 1,
+        ('"a"', BASE): 2,
+        ('"a"', BASE + 5_000): 2,
+        ('"a"', BASE + 10_000): 1,
+        ('"b"', BASE): 1,
+        ('"b"', BASE + 5_000): 1,
+    }
 
 
 def test_session_windows_close_after_the_gap(kafka_bootstrap, spark, topics, tmp_path):
-    window = {"type": "session", "gap": "10s", "key": "user",
-              "aggregations": {"clicks": "count(*)", "last": "max(ts)"}}  # fmt: skip
+    window = {
+        "type": "session",
+        "gap": "10s",
+        "key": "user",
+        "aggregations": {"clicks": "count(*)", "last": "max(ts)"},
+    }
     config = parse(pipeline(topics, tmp_path, kafka_bootstrap, window))
     events = [("a", BASE), ("a", BASE + 4_000), ("a", BASE + 30_000), ("b", BASE + 2_000)]
-    produce(kafka_bootstrap, topics["in"],
-            [(u.encode(), click(u, ts), 0) for u, ts in events]
-            + [(b"z", click("z", BASE + 100_000), 0)])  # fmt: skip
+    produce(
+        kafka_bootstrap,
+        topics["in"],
+        [(u.encode(), click(u, ts), 0) for u, ts in events]
+        + [(b"z", click("z", BASE + 100_000), 0)],
+    )
     run(config, available_now=True)
 
-    got = {k: (v["window_end"], v["clicks"], v["last"])
-           for k, v in results(kafka_bootstrap, topics["out"]).items()}  # fmt: skip
+    got = {
+        k: (v["window_end"], v["clicks"], v["last"])
+        for k, v in results(kafka_bootstrap, topics["out"]).items()
+    }
     assert got == {
         ('"a"', BASE): (BASE + 14_000, 2, BASE + 4_000),
         ('"a"', BASE + 30_000): (BASE + 40_000, 1, BASE + 30_000),
@@ -152,8 +197,13 @@ def test_session_windows_close_after_the_gap(kafka_bootstrap, spark, topics, tmp
 
 
 def test_update_mode_emits_changed_windows_every_epoch(kafka_bootstrap, spark, topics, tmp_path):
-    window = {"type": "tumbling", "size": "20s", "key": "user", "output_mode": "update",
-              "aggregations": {"clicks": "count(*)"}}  # fmt: skip
+    window = {
+        "type": "tumbling",
+        "size": "20s",
+        "key": "user",
+        "output_mode": "update",
+        "aggregations": {"clicks": "count(*)"},
+    }
     config = parse(pipeline(topics, tmp_path, kafka_bootstrap, window))
     produce(kafka_bootstrap, topics["in"], [(b"a", click("a", BASE + i), 0) for i in range(3)])
     run(config, available_now=True)
@@ -168,39 +218,77 @@ def test_update_mode_emits_changed_windows_every_epoch(kafka_bootstrap, spark, t
 
 
 def test_multi_field_keys_become_a_json_object(kafka_bootstrap, spark, topics, tmp_path):
-    window = {"type": "tumbling", "size": "10s", "key": ["user", "url"],
-              "aggregations": {"clicks": "count(*)", "avg_bytes": "avg(bytes)"}}  # fmt: skip
+    window = {
+        "type": "tumbling",
+        "size": "10s",
+        "key": ["user", "url"],
+        "aggregations": {"clicks": "count(*)", "avg_bytes": "avg(bytes)"},
+    }
     config = parse(pipeline(topics, tmp_path, kafka_bootstrap, window))
     events = [("a", "/x", 10), ("a", "/x", 20), ("a", "/y", 5)]
-    produce(kafka_bootstrap, topics["in"],
-            [(b"k", click(u, BASE + 1, url, size), 0) for u, url, size in events]
-            + [(b"z", click("z", BASE + 100_000), 0)])  # fmt: skip
+    produce(
+        kafka_bootstrap,
+        topics["in"],
+        [(b"k", click(u, BASE + 1, url, size), 0) for u, url, size in events]
+        + [(b"z", click("z", BASE + 100_000), 0)],
+    )
     run(config, available_now=True)
 
     records = {
         m.key(): json.loads(m.value()) for m in read_committed(kafka_bootstrap, topics["out"])
     }
     assert records == {
-        b'{"user":"a","url":"/x"}': {"key": {"user": "a", "url": "/x"}, "window_start": BASE,
-                                     "window_end": BASE + 10_000, "clicks": 2, "avg_bytes": 15.0},
-        b'{"user":"a","url":"/y"}': {"key": {"user": "a", "url": "/y"}, "window_start": BASE,
-                                     "window_end": BASE + 10_000, "clicks": 1, "avg_bytes": 5.0},
-    }  # fmt: skip
+        b'{"user":"a","url":"/x"}': {
+            "key": {"user": "a", "url": "/x"},
+            "window_start": BASE,
+            "window_end": BASE + 10_000,
+            "clicks": 2,
+            "avg_bytes": 15.0,
+        },
+        b'{"user":"a","url":"/y"}': {
+            "key": {"user": "a", "url": "/y"},
+            "window_start": BASE,
+            "window_end": BASE + 10_000,
+            "clicks": 1,
+            "avg_bytes": 5.0,
+        },
+    }
 
 
-CLICK_AVRO = {"type": "record", "name": "Click", "fields": [
-    {"name": "user", "type": "string"}, {"name": "bytes", "type": "long"},
-    {"name": "ts", "type": "long"}]}  # fmt: skip
-RESULT_AVRO = {"type": "record", "name": "WindowResult", "namespace": "dev.onceflow", "fields": [
-    {"name": n, "type": ["null", t]} for n, t in
-    (("key", "string"), ("window_start", "long"), ("window_end", "long"), ("clicks", "long"),
-     ("bytes", "long"))]}  # fmt: skip
+CLICK_AVRO = {
+    "type": "record",
+    "name": "Click",
+    "fields": [
+        {"name": "user", "type": "string"},
+        {"name": "bytes", "type": "long"},
+        {"name": "ts", "type": "long"},
+    ],
+}
+RESULT_AVRO = {
+    "type": "record",
+    "name": "WindowResult",
+    "namespace": "dev.onceflow",
+    "fields": [
+        {"name": n, "type": ["null", t]}
+        for n, t in (
+            ("key", "string"),
+            ("window_start", "long"),
+            ("window_end", "long"),
+            ("clicks", "long"),
+            ("bytes", "long"),
+        )
+    ],
+}
 
 
 def test_avro_in_and_out(kafka_bootstrap, spark, topics, tmp_path):
     (tmp_path / "click.avsc").write_text(json.dumps(CLICK_AVRO))
-    window = {"type": "tumbling", "size": "10s", "key": "user",
-              "aggregations": {"clicks": "count(*)", "bytes": "sum(bytes)"}}  # fmt: skip
+    window = {
+        "type": "tumbling",
+        "size": "10s",
+        "key": "user",
+        "aggregations": {"clicks": "count(*)", "bytes": "sum(bytes)"},
+    }
     raw = pipeline(topics, tmp_path, kafka_bootstrap, window)
     raw["source"].update(format="avro", schema_file="click.avsc")
     del raw["source"]["schema"]
@@ -214,15 +302,21 @@ def test_avro_in_and_out(kafka_bootstrap, spark, topics, tmp_path):
 
     events = [{"user": "a", "bytes": 3, "ts": BASE + i} for i in range(4)]
     events.append({"user": "z", "bytes": 1, "ts": BASE + 100_000})
-    produce(kafka_bootstrap, topics["in"], [(None, avro(e), 0) for e in events]
-            + [(None, b"\xff\xff\xff", 0)])  # fmt: skip
+    produce(
+        kafka_bootstrap,
+        topics["in"],
+        [(None, avro(e), 0) for e in events] + [(None, b"\xff\xff\xff", 0)],
+    )
     run(config, available_now=True)
 
     schema = parse_schema(RESULT_AVRO)
-    out = [schemaless_reader(io.BytesIO(m.value()), schema, None)
-           for m in read_committed(kafka_bootstrap, topics["out"])]  # fmt: skip
-    assert out == [{"key": "a", "window_start": BASE, "window_end": BASE + 10_000,
-                    "clicks": 4, "bytes": 12}]  # fmt: skip
+    out = [
+        schemaless_reader(io.BytesIO(m.value()), schema, None)
+        for m in read_committed(kafka_bootstrap, topics["out"])
+    ]
+    assert out == [
+        {"key": "a", "window_start": BASE, "window_end": BASE + 10_000, "clicks": 4, "bytes": 12}
+    ]
     dead = read_committed(kafka_bootstrap, topics["dlq"])
     assert [m.value() for m in dead] == [b"\xff\xff\xff"]
     assert dict(dead[0].headers())["onceflow.error"].startswith(b"value is not Avro of schema")
@@ -261,8 +355,13 @@ def test_transform_with_keyed_state_keeps_running_totals(kafka_bootstrap, spark,
 
 
 def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "onceflow.cli", *args],
-                          capture_output=True, text=True, cwd=cwd, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize(
@@ -278,12 +377,18 @@ def test_config_errors_exit_2_naming_the_field(tmp_path, change, message):
     import yaml
 
     raw = {
-        "app_id": "bad", "kafka": {"bootstrap_servers": "127.0.0.1:1"},
+        "app_id": "bad",
+        "kafka": {"bootstrap_servers": "127.0.0.1:1"},
         "source": {"topics": ["in"], "schema": SCHEMA},
-        "window": {"type": "tumbling", "size": "10s", "key": "user",
-                   "aggregations": {"n": "count(*)"}},
-        "sink": {"topic": "out"}, "checkpoint": {"location": "ck"},
-    }  # fmt: skip
+        "window": {
+            "type": "tumbling",
+            "size": "10s",
+            "key": "user",
+            "aggregations": {"n": "count(*)"},
+        },
+        "sink": {"topic": "out"},
+        "checkpoint": {"location": "ck"},
+    }
     for section, values in change.items():
         raw[section].update(values)
         raw[section] = {k: v for k, v in raw[section].items() if v is not None}
@@ -298,10 +403,14 @@ def test_config_errors_exit_2_naming_the_field(tmp_path, change, message):
 def test_a_missing_input_topic_is_a_clear_runtime_error(kafka_bootstrap, tmp_path):
     import yaml
 
-    raw = {"app_id": "nosuch", "kafka": {"bootstrap_servers": kafka_bootstrap},
-           "source": {"topics": ["no-such-topic-at-all"], "format": "raw"},
-           "sink": {"topic": "out"}, "checkpoint": {"location": str(tmp_path / "ck")},
-           "spark": {"master": "local[1]"}}  # fmt: skip
+    raw = {
+        "app_id": "nosuch",
+        "kafka": {"bootstrap_servers": kafka_bootstrap},
+        "source": {"topics": ["no-such-topic-at-all"], "format": "raw"},
+        "sink": {"topic": "out"},
+        "checkpoint": {"location": str(tmp_path / "ck")},
+        "spark": {"master": "local[1]"},
+    }
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(raw))
     result = cli("run", "--available-now", str(path))

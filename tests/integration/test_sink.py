@@ -30,11 +30,28 @@ def run_passthrough(
     if fault:
         env["ONCEFLOW_FAULT"] = fault
     return subprocess.run(
-        [sys.executable, "-m", "tests.apps.passthrough", "--bootstrap", bootstrap,
-         "--source", source, "--sink", sink, "--checkpoint", checkpoint, "--app", app],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "tests.apps.passthrough",
+            "--bootstrap",
+            bootstrap,
+            "--source",
+            source,
+            "--sink",
+            sink,
+            "--checkpoint",
+            checkpoint,
+            "--app",
+            app,
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
         start_new_session=True,  # its own process group, which a fault point kills
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
