@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from onceflow.connectors import faults, staging
+from onceflow.connectors import faults, sink_stats, staging
 from onceflow.connectors.markers import DEFAULT_MARKER_TOPIC
 from onceflow.connectors.options import RESERVED_PRODUCER_KEYS, OptionError, kafka_conf
 from onceflow.connectors.publisher import publisher_for
@@ -94,7 +95,10 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
         tables += staging.staged_tables(self.checkpoint, batchId)
         if any(t.num_rows for t in tables):  # an empty epoch needs no transaction
             records = _Records(tables)
-            publisher.publish(batchId, self._query_id(), records, self._source_offsets(batchId))
+            offsets = self._source_offsets(batchId)
+            if publisher.publish(batchId, self._query_id(), records, offsets):
+                sink_stats.records_published.update(records.counts)
+            sink_stats.write(self.checkpoint, publisher.stats)
         staging.clean_up_to(self.checkpoint, batchId)
 
     def abort(self, messages: list, batchId: int) -> None:
@@ -149,12 +153,15 @@ class _Records:
 
     def __init__(self, tables: list) -> None:
         self.tables = tables
+        self.counts: Counter[str] = Counter()  # records by kind, of the last full iteration
 
     def __iter__(self):
+        self.counts = Counter()
         seen: set[str] = set()
         for table in self.tables:
             columns = [table.column(c).to_pylist() for c in PREPARED_COLUMNS]
             if "source" not in table.column_names:
+                self.counts["result"] += table.num_rows
                 for topic, partition, key, value, headers in zip(*columns, strict=True):
                     yield topic, partition, key, value, _header_tuples(headers)
                 continue
@@ -165,14 +172,12 @@ class _Records:
                     continue
                 seen.add(source)
                 topic, partition, key, value, headers = record
+                kind = "late" if reason == "late" else "dead_letter"
                 if topic is None:
-                    log.warning(
-                        "no topic configured for %s record at %s: %s",
-                        "late" if reason == "late" else "dead-letter",
-                        source,
-                        reason,
-                    )
+                    self.counts[f"dropped_{kind}"] += 1
+                    log.warning("no topic configured for %s record at %s: %s", kind, source, reason)
                     continue
+                self.counts[kind] += 1
                 yield topic, partition, key, value, _header_tuples(headers)
 
 

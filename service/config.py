@@ -98,6 +98,7 @@ class PipelineConfig:
     spark_master: str = "local[*]"
     spark_conf: dict[str, str] = field(default_factory=dict)
     metrics_port: int | None = 9108
+    stall_timeout_ms: int = 300_000
     base_dir: Path = Path(".")
 
     @property
@@ -199,7 +200,7 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
     spark = _Section(top.mapping("spark"), "spark")
     spark.only("master", "conf")
     metrics = _Section(top.mapping("metrics"), "metrics")
-    metrics.only("port")
+    metrics.only("port", "stall_timeout")
 
     config = PipelineConfig(
         app_id=app_id,
@@ -216,6 +217,7 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
         spark_master=spark.string("master") or "local[*]",
         spark_conf={str(k): str(v) for k, v in spark.mapping("conf").items()},
         metrics_port=metrics.integer("port", default=9108, minimum=0),
+        stall_timeout_ms=metrics.duration("stall_timeout", default="5m"),
         base_dir=base_dir,
     )
     _check_fields(config)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from onceflow import pipeline
 from onceflow.config import ConfigError, PipelineConfig
+from onceflow.metrics import PipelineListener, PipelineMetrics, serve
 from onceflow.spark_session import build_session
 
 log = logging.getLogger("onceflow.run")
@@ -37,6 +38,12 @@ def run(
     """
     claim_checkpoint(config)
     spark = build_session(config.spark_master, f"onceflow-{config.app_id}", config.spark_conf)
+    metrics = PipelineMetrics(config.app_id)
+    listener = PipelineListener(metrics, config.checkpoint_location)
+    if any(Path(config.checkpoint_location.removeprefix("file:"), "commits").glob("[0-9]*")):
+        metrics.restarts.labels(config.app_id).inc()
+    spark.streams.addListener(listener)
+    server = _serve_metrics(config, metrics, listener)
     stop = stop or threading.Event()
     handlers = {}
     if threading.current_thread() is threading.main_thread():
@@ -55,6 +62,28 @@ def run(
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        spark.streams.removeListener(listener)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+def _serve_metrics(config: PipelineConfig, metrics: PipelineMetrics, listener: PipelineListener):
+    if config.metrics_port is None:
+        return None
+    try:
+        server = serve(metrics, listener, config.metrics_port, config.stall_timeout_ms / 1000)
+    except OSError as exc:
+        raise ConfigError(
+            "metrics.port",
+            f"cannot listen on port {config.metrics_port} ({exc.strerror}); pick a free port "
+            "(0 picks any)",
+        ) from None
+    port = server.server_port
+    log.info(
+        "metrics on http://127.0.0.1:%d/metrics, health on http://127.0.0.1:%d/healthz", port, port
+    )
+    return server
 
 
 def _stop_after_current_epoch(query) -> None:

@@ -1,0 +1,41 @@
+"""The sink's counters, handed from the process that commits epochs to the metrics endpoint.
+
+Spark runs the sink's phase 2 in a Python process of its own, so the counters travel in a
+small JSON file next to the checkpoint, replaced atomically after every epoch. Counters are
+cumulative per sink process; `pid` tells the reader when a new process started from zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+STATS_FILE = "onceflow-sink-stats.json"
+
+records_published: Counter[str] = Counter()  # by kind, in this process
+
+
+def write(checkpoint: str | Path, publisher_stats) -> None:
+    path = Path(str(checkpoint).removeprefix("file:")) / STATS_FILE
+    stats = {
+        "pid": os.getpid(),
+        "transactions_committed": publisher_stats.transactions_committed,
+        "transactions_aborted": publisher_stats.transactions_aborted,
+        "replays_skipped": publisher_stats.replays_skipped,
+        "last_committed_batch": publisher_stats.last_committed_batch,
+        "last_commit_seconds": (publisher_stats.commit_seconds or [0.0])[-1],
+        "records": dict(records_published),
+    }
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(stats))
+    os.replace(tmp, path)
+
+
+def read(checkpoint: str | Path) -> dict:
+    path = Path(str(checkpoint).removeprefix("file:")) / STATS_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,233 @@
+"""Prometheus metrics and health for a running pipeline, served from the driver process.
+
+Spark's StreamingQueryListener feeds the engine's view (rows, epoch phases, watermark,
+state, source offsets); the sink's phase 2 runs in a Spark-managed Python process of its own,
+so it leaves its counters in a small JSON file in the checkpoint (sink_stats.py), which the
+listener reads after every epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from datetime import datetime
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from pyspark.sql.streaming import StreamingQueryListener
+
+from onceflow.connectors import sink_stats
+
+log = logging.getLogger("onceflow.metrics")
+
+STALL_TIMEOUT_S = 300.0
+EPOCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+
+
+class PipelineMetrics:
+    """Every metric of one app, in a registry of its own."""
+
+    def __init__(self, app_id: str) -> None:
+        self.app_id = app_id
+        self.registry = CollectorRegistry()
+        r, app = self.registry, ["app"]
+        self.input_records = Counter(
+            "onceflow_input_records", "Records read from Kafka", app, registry=r
+        )
+        self.output_records = Counter(
+            "onceflow_output_records",
+            "Records published, by kind (result, late, dead_letter) and to no topic (dropped_*)",
+            [*app, "kind"],
+            registry=r,
+        )
+        self.epoch_seconds = Histogram(
+            "onceflow_epoch_duration_seconds",
+            "Wall time of a micro-batch (epoch)",
+            app,
+            buckets=EPOCH_BUCKETS,
+            registry=r,
+        )
+        self.phase_seconds = Histogram(
+            "onceflow_epoch_phase_duration_seconds",
+            "Epoch phases: plan (offsets, WAL), process (read, compute, prepare), commit",
+            [*app, "phase"],
+            buckets=EPOCH_BUCKETS,
+            registry=r,
+        )
+        self.last_batch = Gauge(
+            "onceflow_last_committed_batch_id", "Last epoch published by the sink", app, registry=r
+        )
+        self.transactions = Counter(
+            "onceflow_transactions", "Kafka transactions of the sink", [*app, "outcome"], registry=r
+        )
+        self.replays_skipped = Counter(
+            "onceflow_replays_skipped", "Replayed epochs found already published", app, registry=r
+        )
+        self.commit_seconds = Histogram(
+            "onceflow_commit_duration_seconds",
+            "Phase 2: one epoch's Kafka transaction",
+            app,
+            buckets=EPOCH_BUCKETS,
+            registry=r,
+        )
+        self.source_lag = Gauge(
+            "onceflow_source_lag_records",
+            "Readable offsets not yet processed",
+            [*app, "topic", "partition"],
+            registry=r,
+        )
+        self.watermark = Gauge(
+            "onceflow_watermark_seconds", "Event-time watermark (Unix time)", app, registry=r
+        )
+        self.watermark_lag = Gauge(
+            "onceflow_watermark_lag_seconds", "Wall clock minus the watermark", app, registry=r
+        )
+        self.state_rows = Gauge("onceflow_state_rows", "Rows in the state store", app, registry=r)
+        self.state_bytes = Gauge(
+            "onceflow_state_memory_bytes", "State store memory", app, registry=r
+        )
+        self.dropped_by_watermark = Counter(
+            "onceflow_rows_dropped_by_watermark",
+            "Rows Spark dropped as late (should stay 0: onceflow routes late rows out first)",
+            app,
+            registry=r,
+        )
+        self.restarts = Counter(
+            "onceflow_restarts", "Starts from an existing checkpoint", app, registry=r
+        )
+        self.fenced = Counter(
+            "onceflow_fenced", "Times this instance was fenced by another", app, registry=r
+        )
+        self.up = Gauge("onceflow_up", "1 while the query runs", app, registry=r)
+
+
+class PipelineListener(StreamingQueryListener):
+    """Feeds PipelineMetrics from Spark's query events; keeps what /healthz needs."""
+
+    def __init__(self, metrics: PipelineMetrics, checkpoint: str) -> None:
+        self.metrics = metrics
+        self.checkpoint = checkpoint
+        self.last_event = time.monotonic()
+        self.ready = False
+        self.failure: str | None = None
+        self.previous_stats: dict = {}
+        self.lock = threading.Lock()
+
+    def onQueryStarted(self, event) -> None:
+        self.metrics.up.labels(self.metrics.app_id).set(1)
+        self.last_event = time.monotonic()
+
+    def onQueryIdle(self, event) -> None:
+        with self.lock:
+            self.last_event = time.monotonic()
+            self.ready = True  # started and caught up, nothing to do
+
+    def onQueryTerminated(self, event) -> None:
+        self.metrics.up.labels(self.metrics.app_id).set(0)
+        if event.exception:
+            self.failure = event.exception.splitlines()[0]
+            if "FencedError" in event.exception:
+                self.metrics.fenced.labels(self.metrics.app_id).inc()
+
+    def onQueryProgress(self, event) -> None:
+        try:
+            self._record(event.progress)
+        except Exception:  # metrics must never take the pipeline down
+            log.exception("could not record query progress")
+
+    def _record(self, progress) -> None:
+        m, app = self.metrics, self.metrics.app_id
+        with self.lock:
+            self.last_event = time.monotonic()
+            self.ready = True
+        m.input_records.labels(app).inc(progress.numInputRows)
+        durations = progress.durationMs or {}
+        m.epoch_seconds.labels(app).observe(progress.batchDuration / 1000)
+        plan_ms = sum(durations.get(k, 0) for k in ("latestOffset", "queryPlanning", "walCommit"))
+        m.phase_seconds.labels(app, "plan").observe(plan_ms / 1000)
+        m.phase_seconds.labels(app, "process").observe(durations.get("addBatch", 0) / 1000)
+        m.phase_seconds.labels(app, "commit").observe(durations.get("commitOffsets", 0) / 1000)
+        for source in progress.sources:
+            _lag(m, app, source.endOffset, source.latestOffset)
+        watermark = (progress.eventTime or {}).get("watermark")
+        if watermark:
+            seconds = datetime.fromisoformat(watermark.replace("Z", "+00:00")).timestamp()
+            m.watermark.labels(app).set(seconds)
+            m.watermark_lag.labels(app).set(max(0.0, time.time() - seconds))
+        operators = progress.stateOperators or []
+        m.state_rows.labels(app).set(sum(op.numRowsTotal for op in operators))
+        m.state_bytes.labels(app).set(sum(op.memoryUsedBytes for op in operators))
+        m.dropped_by_watermark.labels(app).inc(
+            sum(op.numRowsDroppedByWatermark for op in operators)
+        )
+        self._record_sink()
+
+    def _record_sink(self) -> None:
+        stats = sink_stats.read(self.checkpoint)
+        if not stats:
+            return
+        m, app, before = self.metrics, self.metrics.app_id, self.previous_stats
+        if stats.get("pid") != before.get("pid"):
+            before = {}  # a new sink process started its counters at zero
+        for kind, count in stats["records"].items():
+            m.output_records.labels(app, kind).inc(count - before.get("records", {}).get(kind, 0))
+        for outcome in ("committed", "aborted"):
+            key = f"transactions_{outcome}"
+            m.transactions.labels(app, outcome).inc(stats[key] - before.get(key, 0))
+        m.replays_skipped.labels(app).inc(
+            stats["replays_skipped"] - before.get("replays_skipped", 0)
+        )
+        if stats["transactions_committed"] > before.get("transactions_committed", 0):
+            m.commit_seconds.labels(app).observe(stats["last_commit_seconds"])
+        m.last_batch.labels(app).set(stats["last_committed_batch"])
+        self.previous_stats = stats
+
+    def health(self, stall_timeout_s: float) -> tuple[bool, str]:
+        with self.lock:
+            if self.failure:
+                return False, f"query failed: {self.failure}"
+            if not self.ready:
+                return False, "starting: no epoch has completed yet"
+            idle = time.monotonic() - self.last_event
+            if idle > stall_timeout_s:
+                return False, f"no progress for {idle:.0f}s"
+            return True, "ok"
+
+
+def _lag(metrics: PipelineMetrics, app: str, end: str | None, latest: str | None) -> None:
+    if not end or not latest:
+        return
+    ends, latests = json.loads(end), json.loads(latest)
+    for topic, partitions in latests.items():
+        for partition, offset in partitions.items():
+            done = ends.get(topic, {}).get(partition, 0)
+            metrics.source_lag.labels(app, topic, partition).set(max(0, offset - done))
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+def serve(
+    metrics: PipelineMetrics,
+    listener: PipelineListener,
+    port: int,
+    stall_timeout_s: float = STALL_TIMEOUT_S,
+) -> WSGIServer:
+    """Serve /metrics and /healthz on `port` (0: any free port) in a daemon thread."""
+    prometheus = make_wsgi_app(metrics.registry)
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") == "/healthz":
+            healthy, reason = listener.health(stall_timeout_s)
+            status = "200 OK" if healthy else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "text/plain")])
+            return [reason.encode() + b"\n"]
+        return prometheus(environ, start_response)
+
+    server = make_server("0.0.0.0", port, app, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
+    return server
