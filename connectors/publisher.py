@@ -45,10 +45,17 @@ class PublisherStats:
 class TransactionalPublisher:
     """One transactional producer for one (app, sink), kept for the life of the process."""
 
-    def __init__(self, conf: dict[str, str], transactional_id: str, marker_topic: str) -> None:
+    def __init__(
+        self,
+        conf: dict[str, str],
+        transactional_id: str,
+        marker_topic: str,
+        dead_letter_topic: str | None = None,
+    ) -> None:
         self.conf = conf
         self.transactional_id = transactional_id
         self.marker_topic = marker_topic
+        self.dead_letter_topic = dead_letter_topic
         self.producer: Producer | None = None
         self.last: Marker | None = None
         self.stats = PublisherStats()
@@ -138,7 +145,12 @@ class TransactionalPublisher:
         producer.begin_transaction()
         count = 0
         for topic, partition, key, value, headers in records:
-            _produce(producer, topic, partition, key, value, headers)
+            try:
+                _produce(producer, topic, partition, key, value, headers)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                    raise
+                self._oversized(producer, topic, key, value, headers)
             count += 1
         marker = Marker(marker.sink, marker.batch_id, marker.query_id, count, marker.source_offsets)
         _produce(producer, self.marker_topic, None, marker.sink.encode(), marker.encode(), None)
@@ -149,6 +161,20 @@ class TransactionalPublisher:
         self.stats.records_published += count
         self.stats.commit_seconds.append(time.monotonic() - t0)
         return marker
+
+    def _oversized(self, producer: Producer, topic: str, key, value, headers) -> None:
+        """A record too big to publish becomes a dead letter without its value, never a loop
+        of failing epochs; its input stays readable at the offset in `onceflow.source`."""
+        size = len(key or b"") + len(value or b"")
+        limit = self.conf.get("message.max.bytes", "1000000")
+        reason = (
+            f"output record for topic {topic} of {size} bytes exceeds the producer limit of "
+            f"{limit} bytes (message.max.bytes); value omitted from this dead letter"
+        )
+        if self.dead_letter_topic is None:
+            raise ValueError(reason + "; configure a dead-letter topic to route such records")
+        error_header = [("onceflow.error", reason.encode())]
+        _produce(producer, self.dead_letter_topic, None, key, None, (headers or []) + error_header)
 
     @staticmethod
     def _commit(producer: Producer) -> None:
@@ -220,10 +246,17 @@ _publishers: dict[tuple, TransactionalPublisher] = {}
 _lock = threading.Lock()
 
 
-def publisher_for(conf: dict[str, str], transactional_id: str, marker_topic: str):
+def publisher_for(
+    conf: dict[str, str],
+    transactional_id: str,
+    marker_topic: str,
+    dead_letter_topic: str | None = None,
+) -> TransactionalPublisher:
     """The process-wide publisher of a sink: init_transactions is paid once, not per epoch."""
-    key = (transactional_id, marker_topic, *sorted(conf.items()))
+    key = (transactional_id, marker_topic, dead_letter_topic, *sorted(conf.items()))
     with _lock:
         if key not in _publishers:
-            _publishers[key] = TransactionalPublisher(conf, transactional_id, marker_topic)
+            _publishers[key] = TransactionalPublisher(
+                conf, transactional_id, marker_topic, dead_letter_topic
+            )
         return _publishers[key]

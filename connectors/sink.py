@@ -66,6 +66,7 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
                 "transactional id must stay the same across restarts for exactly-once"
             )
         self.marker_topic = options.get("markerTopic") or DEFAULT_MARKER_TOPIC
+        self.dead_letter_topic = options.get("deadLetterTopic")
         checkpoint = options.get("checkpointLocation")
         if not checkpoint:
             raise OptionError(
@@ -90,7 +91,7 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
     # -- phase 2: the driver ---------------------------------------------------------------
 
     def commit(self, messages: list, batchId: int) -> None:
-        publisher = publisher_for(self.conf, self.transactional_id, self.marker_topic)
+        publisher = self._publisher()
         tables = [m.table for m in messages if m is not None and m.table is not None]
         tables += staging.staged_tables(self.checkpoint, batchId)
         if any(t.num_rows for t in tables):  # an empty epoch needs no transaction
@@ -102,7 +103,12 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
         staging.clean_up_to(self.checkpoint, batchId)
 
     def abort(self, messages: list, batchId: int) -> None:
-        publisher_for(self.conf, self.transactional_id, self.marker_topic).abort_open_transaction()
+        self._publisher().abort_open_transaction()
+
+    def _publisher(self):
+        return publisher_for(
+            self.conf, self.transactional_id, self.marker_topic, self.dead_letter_topic
+        )
 
     def _query_id(self) -> str:
         """The id Spark stores in the checkpoint: it names the checkpoint, across restarts."""

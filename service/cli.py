@@ -43,6 +43,34 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from onceflow.verify import verify
+
+    config = pipeline_config.load(args.pipeline)
+    count_field = None
+    if config.window is not None:
+        counts = [
+            a.name for a in config.window.aggregations if (a.function, a.column) == ("count", "*")
+        ]
+        if not counts:
+            raise pipeline_config.ConfigError(
+                "window.aggregations", "verify needs a count(*) aggregation to account for inputs"
+            )
+        count_field = counts[0]
+    elif config.transform is not None:
+        raise pipeline_config.ConfigError("transform", "verify checks window and pass-through apps")
+    report = verify(
+        config.bootstrap_servers,
+        config.source.topics,
+        config.sink.topic,
+        config.sink.dead_letter_topic,
+        config.sink.late_topic,
+        count_field,
+    )
+    print(report.summary())
+    return EXIT_OK if report.ok else EXIT_FAILURE
+
+
 def _demo(args: argparse.Namespace) -> int:
     from onceflow.demo import run_demo
 
@@ -65,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", help="check a pipeline file without starting Spark")
     validate.add_argument("pipeline")
     validate.set_defaults(handler=_validate)
+
+    verify = commands.add_parser(
+        "verify", help="check an app's output topics for duplicates, loss and accounting"
+    )
+    verify.add_argument("pipeline")
+    verify.set_defaults(handler=_verify)
 
     demo = commands.add_parser("demo", help="local broker + click stream + windowed pipeline")
     demo.add_argument("--seconds", type=float, default=40.0, help="how long the stream runs")

@@ -8,20 +8,17 @@ checks the record accounting: every click is in a window, the late topic or dead
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
+from collections import Counter
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from onceflow.config import parse
 from onceflow.connectors.topics import create_topic, read_committed
+from onceflow.generator import produce_clicks
 from onceflow.local_kafka import LocalKafka
 from onceflow.runner import run
-
-USERS = [f"user-{i}" for i in range(8)]
-URLS = ["/", "/pricing", "/docs", "/blog", "/signup"]
-RATE_PER_S = 300
 
 
 def run_demo(seconds: float = 40.0) -> int:
@@ -70,9 +67,10 @@ def run_demo(seconds: float = 40.0) -> int:
     print("Results appear below as their Kafka transactions commit (read_committed).\n")
 
     stop = threading.Event()
-    produced: dict[str, int] = {}
+    produced: Counter = Counter()
     producer = threading.Thread(
-        target=_produce_clicks, args=(bootstrap, topics["in"], seconds, produced), daemon=True
+        target=lambda: produced.update(produce_clicks(bootstrap, topics["in"], seconds)),
+        daemon=True,
     )
     printer = threading.Thread(
         target=_print_results, args=(bootstrap, topics["out"], stop), daemon=True
@@ -90,7 +88,7 @@ def run_demo(seconds: float = 40.0) -> int:
     dead = len(read_committed(bootstrap, topics["dlq"]))
     counted = sum(r["clicks"] for r in results)
     total = sum(produced.values())
-    print(f"\nproduced {total} records: {produced}")
+    print(f"\nproduced {total} records: {dict(produced)}")
     print(f"windowed {counted} clicks in {len(results)} results, {late} late, {dead} dead letters;")
     print(
         f"{total - counted - late - dead} clicks are in windows still open at shutdown "
@@ -102,36 +100,6 @@ def run_demo(seconds: float = 40.0) -> int:
     )
     print(f"Checkpoint: {work / 'checkpoint'}.  Stop the broker with: onceflow kafka stop")
     return 0
-
-
-def _produce_clicks(bootstrap: str, topic: str, seconds: float, produced: dict) -> None:
-    """About RATE_PER_S clicks a second; 2% arrive 30 s delayed, 1% are malformed."""
-    rng = random.Random(7)
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20})
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        for _ in range(RATE_PER_S // 10):
-            user = rng.choice(USERS)
-            now_ms = int(time.time() * 1000)
-            roll = rng.random()
-            if roll < 0.01:
-                kind, value = "malformed", b'{"user": "' + user.encode() + b'", "bytes": '
-            else:
-                kind = "30s delayed" if roll < 0.03 else "on time"
-                ts = now_ms - 30_000 if kind == "30s delayed" else now_ms - rng.randint(0, 1500)
-                value = json.dumps(
-                    {
-                        "user": user,
-                        "url": rng.choice(URLS),
-                        "bytes": rng.randint(200, 20_000),
-                        "ts": ts,
-                    }
-                ).encode()
-            producer.produce(topic, key=user.encode(), value=value)
-            produced[kind] = produced.get(kind, 0) + 1
-        producer.poll(0)
-        time.sleep(0.1)
-    producer.flush(30)
 
 
 def _print_results(bootstrap: str, topic: str, stop: threading.Event) -> None:

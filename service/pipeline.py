@@ -165,6 +165,8 @@ def start(
     }
     if config.sink.marker_topic:
         options["markerTopic"] = config.sink.marker_topic
+    if config.sink.dead_letter_topic:
+        options["deadLetterTopic"] = config.sink.dead_letter_topic
     writer = output.writeStream.outputMode(mode).queryName(config.app_id)
     if mode == "update":  # Spark's Python sinks take append mode only
         writer = writer.foreachBatch(ForeachBatchSink(options))

@@ -33,6 +33,14 @@ KAFKA_CONTAINER_ENV = {
 }
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="fault suite: the full matrix (more records, every fault point, 10+ kills)",
+    )
+
+
 def docker_engine_answers() -> bool:
     """True only when a Docker engine (not just the client) responds to a ping."""
     try:

@@ -1,0 +1,344 @@
+"""Exactly-once under faults: the service is killed, stopped, doubled and starved of its broker,
+and the read_committed output is checked with `onceflow verify` each time.
+
+The default run is sized for CI; `pytest tests/fault --long` runs the full matrix (more
+records, every fault point for both pipelines, ten or more random kills).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from onceflow.connectors.faults import POINTS
+from onceflow.connectors.topics import read_committed
+from onceflow.verify import verify
+from tests.helpers import produce, wait_until
+
+pytestmark = pytest.mark.fault
+BASE = 1_700_000_000_000
+USERS = 7
+
+
+class Service:
+    """`onceflow run PIPELINE` in its own process group, as an operator would run it."""
+
+    def __init__(self, pipeline: Path, log: Path, available_now: bool = False, fault: str = ""):
+        env = {**os.environ, "ONCEFLOW_FAULT": fault}
+        env.pop("ONCEFLOW_SERVICE_PGID", None)
+        args = [sys.executable, "-m", "onceflow.cli", "run", str(pipeline)]
+        self.log = log
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(
+                args + (["--available-now"] if available_now else []),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def wait(self, timeout: float = 300) -> int:
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        """kill -9 the whole service: driver, JVM and the Python workers' group."""
+        for pid in [*_descendants(self.process.pid), self.process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+        self.process.wait(30)
+
+    def terminate(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(300)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+def _descendants(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        kids = [int(p) for p in children.read_text().split()]
+    except OSError:
+        return []
+    return [d for k in kids for d in [k, *_descendants(k)]]
+
+
+@pytest.fixture
+def app(kafka_bootstrap, new_topic, tmp_path, request):
+    """Topics, input records and pipeline files for one scenario."""
+    long = request.config.getoption("--long")
+    records = 300_000 if long else 20_000
+    topics = {n: new_topic(partitions=3, prefix=n) for n in ("in", "out", "dlq", "late")}
+    events = [(f"u{i % USERS}", BASE + i * 7) for i in range(records)]
+    produce(
+        kafka_bootstrap,
+        topics["in"],
+        ((u.encode(), _click(u, ts), i % 3) for i, (u, ts) in enumerate(events)),
+    )
+    return Scenario(kafka_bootstrap, topics, events, tmp_path, long)
+
+
+class Scenario:
+    def __init__(self, bootstrap, topics, events, tmp_path, long):
+        self.bootstrap, self.topics, self.events, self.tmp, self.long = (
+            bootstrap,
+            topics,
+            events,
+            tmp_path,
+            long,
+        )
+        self.runs = 0
+
+    def pipeline(self, windowed: bool, **changes) -> Path:
+        config = {
+            "app_id": f"fault-{self.topics['in']}",
+            "kafka": {"bootstrap_servers": self.bootstrap},
+            "source": {
+                "topics": [self.topics["in"]],
+                "starting_offsets": "earliest",
+                "format": "json",
+                "schema": "user STRING, bytes LONG, ts LONG",
+                "max_records_per_batch": 2_000 if not self.long else 20_000,
+            },
+            "event_time": {"field": "ts", "watermark_delay": "2s"},
+            "sink": {
+                "topic": self.topics["out"],
+                "dead_letter_topic": self.topics["dlq"],
+                "late_topic": self.topics["late"],
+            },
+            "checkpoint": {"location": str(self.tmp / "checkpoint"), "interval": "200ms"},
+            "spark": {"master": "local[2]"},
+            "metrics": {"port": 0},
+        }
+        if windowed:
+            config["window"] = {
+                "type": "tumbling",
+                "size": "10s",
+                "key": "user",
+                "aggregations": {"clicks": "count(*)"},
+            }
+        for section, values in changes.items():
+            config[section] = {**config.get(section, {}), **values}
+        path = self.tmp / f"pipeline-{'window' if windowed else 'pass'}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def service(self, pipeline: Path, available_now=False, fault="") -> Service:
+        self.runs += 1
+        return Service(pipeline, self.tmp / f"run-{self.runs}.log", available_now, fault)
+
+    def drain(self, pipeline: Path) -> None:
+        service = self.service(pipeline, available_now=True)
+        assert service.wait() == 0, service.tail()
+
+    def check_pass_through(self) -> None:
+        report = verify(
+            self.bootstrap,
+            [self.topics["in"]],
+            self.topics["out"],
+            self.topics["dlq"],
+            self.topics["late"],
+        )
+        assert report.ok, report.summary()
+        assert report.counted == len(self.events)
+
+    def check_windows(self) -> None:
+        """Close every window with a far-ahead record, then compare with the exact expectation."""
+        produce(self.bootstrap, self.topics["in"], [(b"u0", _click("u0", BASE + 10**9), 0)])
+        self.drain(self.tmp / "pipeline-window.yaml")
+        report = verify(
+            self.bootstrap,
+            [self.topics["in"]],
+            self.topics["out"],
+            self.topics["dlq"],
+            self.topics["late"],
+            count_field="clicks",
+        )
+        assert not report.duplicates, report.summary()
+        assert report.unaccounted == 1, report.summary()  # the far-ahead record's open window
+        expected = Counter((u, BASE + (ts - BASE) // 10_000 * 10_000) for u, ts in self.events)
+        got = {}
+        for m in read_committed(self.bootstrap, self.topics["out"]):
+            value = json.loads(m.value())
+            got[(value["key"], value["window_start"])] = value["clicks"]
+        assert got == dict(expected)
+
+
+def _click(user: str, ts: int) -> bytes:
+    return json.dumps({"user": user, "bytes": 100, "ts": ts}).encode()
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_kill_at_every_fault_point_windowed(app, point):
+    pipeline = app.pipeline(windowed=True)
+    crashed = app.service(pipeline, available_now=True, fault=f"{point}@3")
+    assert crashed.wait() == -signal.SIGKILL, crashed.tail()
+    app.drain(pipeline)
+    app.check_windows()
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_kill_at_every_fault_point_pass_through(app, point, request):
+    if not request.config.getoption("--long") and point != "after_kafka_commit":
+        pytest.skip("CI runs the replay-sensitive point; --long runs them all")
+    pipeline = app.pipeline(windowed=False)
+    crashed = app.service(pipeline, available_now=True, fault=f"{point}@3")
+    assert crashed.wait() == -signal.SIGKILL, crashed.tail()
+    app.drain(pipeline)
+    app.check_pass_through()
+
+
+@pytest.mark.parametrize("windowed", [False, True], ids=["pass-through", "windowed"])
+def test_random_sigkills_then_restart_from_the_same_checkpoint(app, windowed, request):
+    kills = 12 if app.long else 3
+    seed = int(os.environ.get("ONCEFLOW_FAULT_SEED", "20261121"))
+    rng = random.Random(seed)
+    pipeline = app.pipeline(windowed=windowed)
+    schedule = []
+    for _ in range(kills):
+        service = app.service(pipeline)
+        delay = rng.uniform(6.0, 14.0)  # JVM start takes ~6 s; then a few epochs commit
+        schedule.append(round(delay, 2))
+        time.sleep(delay)
+        service.kill()
+    print(f"seed {seed}: killed after {schedule} s")
+    app.drain(pipeline)
+    if windowed:
+        app.check_windows()
+    else:
+        app.check_pass_through()
+
+
+def test_sigterm_finishes_the_epoch_and_exits_0(app):
+    pipeline = app.pipeline(windowed=False)
+    service = app.service(pipeline)
+    out = app.topics["out"]
+    wait_until(lambda: len(read_committed(app.bootstrap, out)) > 0, 120, "first committed epoch")
+    assert service.terminate() == 0, service.tail()
+    assert "stop requested: finishing the current epoch" in service.tail()
+    app.drain(pipeline)
+    app.check_pass_through()
+
+
+def test_two_instances_at_once_one_is_fenced(app):
+    pipeline = app.pipeline(windowed=False)
+    first = app.service(pipeline)
+    wait_until(lambda: len(read_committed(app.bootstrap, app.topics["out"])) > 0, 120, "output")
+    # The second instance uses its own checkpoint copy but the same app (transactional id).
+    second_pipeline = app.pipeline(windowed=False, checkpoint={"location": str(app.tmp / "ck2")})
+    second = app.service(second_pipeline)
+    codes = {first.wait(300), second.wait(300)}
+    logs = first.tail() + second.tail()
+    assert 1 in codes and ("FencedError" in logs or "CheckpointMismatchError" in logs), logs
+    app.drain(pipeline)
+    app.check_pass_through()
+
+
+def test_broker_bounce_while_running(app, local_broker):
+    pipeline = app.pipeline(windowed=False)
+    service = app.service(pipeline)
+    wait_until(lambda: len(read_committed(app.bootstrap, app.topics["out"])) > 0, 120, "output")
+    local_broker.kill()  # hard
+    time.sleep(3)
+    local_broker.start(progress=lambda _: None)
+    time.sleep(5)
+    local_broker.stop(progress=lambda _: None)  # clean
+    local_broker.start(progress=lambda _: None)
+    if service.process.poll() is None:
+        service.terminate()
+    app.drain(pipeline)
+    app.check_pass_through()
+
+
+def test_a_deleted_checkpoint_is_refused_not_reprocessed(app):
+    import shutil
+
+    pipeline = app.pipeline(windowed=False)
+    app.drain(pipeline)
+    published = len(read_committed(app.bootstrap, app.topics["out"]))
+    shutil.rmtree(app.tmp / "checkpoint")
+    service = app.service(pipeline, available_now=True)
+    assert service.wait() == 1
+    assert "CheckpointMismatchError" in service.tail() and "was deleted" in service.tail()
+    assert len(read_committed(app.bootstrap, app.topics["out"])) == published
+
+
+def test_another_apps_or_an_unwritable_checkpoint_is_a_config_error(app):
+    pipeline = app.pipeline(windowed=False)
+    (app.tmp / "checkpoint").mkdir()
+    (app.tmp / "checkpoint" / "onceflow-app.json").write_text('{"app_id": "someone-else"}')
+    service = app.service(pipeline, available_now=True)
+    assert service.wait() == 2
+    assert (
+        "checkpoint.location" in service.tail()
+        and "belongs to app 'someone-else'" in service.tail()
+    )
+
+    unwritable = app.pipeline(windowed=False, checkpoint={"location": "/proc/onceflow-ck"})
+    service = app.service(unwritable, available_now=True)
+    assert service.wait() == 2
+    assert "checkpoint.location: /proc/onceflow-ck is not usable" in service.tail()
+
+
+HOSTILE = [
+    b"{not json",  # malformed
+    json.dumps({"user": "u1", "bytes": "lots", "ts": BASE}).encode(),  # wrong type
+    json.dumps({"user": "u1", "bytes": 1}).encode(),  # no event time
+    json.dumps({"bytes": 1, "ts": BASE}).encode(),  # no key field
+    None,  # null value
+    b"\xff\xfe not utf-8",
+]
+
+
+def test_hostile_input_is_accounted_for_and_nothing_crashes(app):
+    huge = json.dumps({"user": "u2", "bytes": 5, "ts": BASE + 1, "pad": "x" * 900_000}).encode()
+    far_past = _click("u3", 0)
+    far_future = _click("u4", BASE + 10**10)
+    produce(
+        app.bootstrap,
+        app.topics["in"],
+        [(b"hostile", v, 1) for v in HOSTILE]
+        + [(None, huge, 2), (None, far_past, 0), (None, far_future, 0)],
+    )
+    pipeline = app.pipeline(windowed=True)
+    app.drain(pipeline)
+    report = verify(
+        app.bootstrap,
+        [app.topics["in"]],
+        app.topics["out"],
+        app.topics["dlq"],
+        app.topics["late"],
+        count_field="clicks",
+    )
+    assert not report.duplicates, report.summary()
+    assert report.dead_letters == len(HOSTILE), report.summary()
+    # The far-future record's window is the only one still open.
+    assert report.unaccounted == 1, report.summary()
+
+
+def test_an_output_record_over_the_size_limit_becomes_a_dead_letter(app):
+    # key + value just under librdkafka's 1,000,000-byte limit: the input fits, but the
+    # output does not once the sink adds its onceflow.source header.
+    head = json.dumps({"user": "u1", "bytes": 1, "ts": BASE, "pad": ""}).encode()[:-2]
+    big = head + b"y" * (999_990 - 3 - len(head) - 2) + b'"}'
+    produce(app.bootstrap, app.topics["in"], [(b"big", big, 0)])
+    app.drain(app.pipeline(windowed=False))
+    report = verify(
+        app.bootstrap, [app.topics["in"]], app.topics["out"], app.topics["dlq"], app.topics["late"]
+    )
+    assert report.ok, report.summary()
+    (dead,) = read_committed(app.bootstrap, app.topics["dlq"])
+    headers = dict(dead.headers())
+    assert dead.value() is None and b"exceeds" in headers["onceflow.error"]
