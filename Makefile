@@ -20,8 +20,8 @@ test: $(INSTALLED)
 	bash deploy/run-tests.sh $(PYTEST_ARGS)
 
 lint: $(INSTALLED)
-	$(VENV)/bin/ruff check service connectors tests examples
-	$(VENV)/bin/ruff format --check service connectors tests examples
+	$(VENV)/bin/ruff check service connectors tests examples bench
+	$(VENV)/bin/ruff format --check service connectors tests examples bench
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from onceflow import config as pipeline_config
+from onceflow import logs
 from onceflow.local_kafka import LocalKafka, LocalKafkaError
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
@@ -114,10 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("py4j").setLevel(logging.WARNING)
+    logs.configure()
     from onceflow.runner import PipelineFailed
 
     try:

@@ -143,6 +143,19 @@ class PipelineListener(StreamingQueryListener):
             self.last_event = time.monotonic()
             self.ready = True
         m.input_records.labels(app).inc(progress.numInputRows)
+        log.info(
+            "epoch %d done: %d records in %d ms",
+            progress.batchId,
+            progress.numInputRows,
+            progress.batchDuration,
+            extra={
+                "app": app,
+                "batch_id": progress.batchId,
+                "input_records": progress.numInputRows,
+                "duration_ms": progress.batchDuration,
+                "offsets": {s.description: s.endOffset for s in progress.sources},
+            },
+        )
         durations = progress.durationMs or {}
         m.epoch_seconds.labels(app).observe(progress.batchDuration / 1000)
         plan_ms = sum(durations.get(k, 0) for k in ("latestOffset", "queryPlanning", "walCommit"))

@@ -16,7 +16,7 @@ import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from onceflow.connectors import staging
@@ -78,7 +78,7 @@ def batch_watermark_ms(checkpoint: str, batch_id: int) -> int:
     return _read_watermark(str(checkpoint), batch_id)
 
 
-@cache
+@lru_cache(maxsize=256)  # one entry per batch id: bounded for long-running workers
 def _read_watermark(checkpoint: str, batch_id: int) -> int:
     path = Path(checkpoint.removeprefix("file:")) / "offsets" / str(batch_id)
     metadata = json.loads(path.read_text().splitlines()[1])

@@ -1,0 +1,39 @@
+"""Logging setup: human-readable lines, or one JSON object per line (ONCEFLOW_LOG_FORMAT=json).
+
+Epoch lines carry `app`, `batch_id` and `offsets` as fields, so log pipelines can index them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+EXTRA_FIELDS = ("app", "batch_id", "offsets", "input_records", "duration_ms")
+
+
+class JsonFormatter(logging.Formatter):
+    converter = time.gmtime
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        line.update({k: getattr(record, k) for k in EXTRA_FIELDS if hasattr(record, k)})
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def configure() -> None:
+    handler = logging.StreamHandler()
+    if os.environ.get("ONCEFLOW_LOG_FORMAT", "").lower() == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.getLogger("py4j").setLevel(logging.WARNING)
