@@ -212,17 +212,19 @@ def avro_arrow_types(schema: dict) -> dict:
 
 
 def _explain_missing(plan: RoutePlan, fields: dict, event_ms, reasons: list) -> None:
-    """Decodable records without an event time or a key value cannot be windowed."""
+    """Decodable records without an event time (when the app uses one) or without a key
+    value cannot be windowed or watermarked."""
     import numpy as np
 
-    what = (
-        f"event time field {plan.event_time_field!r}"
-        if plan.event_time_field
-        else "the Kafka timestamp"
-    )
-    for row in np.flatnonzero(np.isnan(event_ms)):
-        if reasons[row] is None:
-            reasons[row] = f"{what} is missing or null"
+    if plan.event_time_field or plan.window_type:
+        what = (
+            f"event time field {plan.event_time_field!r}"
+            if plan.event_time_field
+            else "the Kafka timestamp"
+        )
+        for row in np.flatnonzero(np.isnan(event_ms)):
+            if reasons[row] is None:
+                reasons[row] = f"{what} is missing or null"
     for field in plan.required:
         for row in np.flatnonzero(fields[field].is_null().to_numpy(zero_copy_only=False)):
             if reasons[row] is None:

@@ -148,27 +148,24 @@ class Scenario:
         service = self.service(pipeline, available_now=True)
         assert service.wait() == 0, service.tail()
 
-    def check_pass_through(self) -> None:
-        report = verify(
+    def report(self, count_field: str | None = None):
+        return verify(
             self.bootstrap,
             [self.topics["in"]],
             self.topics["out"],
             self.topics["dlq"],
             self.topics["late"],
+            count_field,
         )
+
+    def check_pass_through(self) -> None:
+        report = self.report()
         assert report.ok, report.summary()
         assert report.counted == len(self.events) + 1  # + the far-ahead record
 
     def check_windows(self) -> None:
         """Every window of `events` is published once, with exactly its count."""
-        report = verify(
-            self.bootstrap,
-            [self.topics["in"]],
-            self.topics["out"],
-            self.topics["dlq"],
-            self.topics["late"],
-            count_field="clicks",
-        )
+        report = self.report(count_field="clicks")
         assert not report.duplicates, report.summary()
         assert report.unaccounted == 1, report.summary()  # the far-ahead record's open window
         expected = Counter((u, BASE + (ts - BASE) // 10_000 * 10_000) for u, ts in self.events)
@@ -326,14 +323,7 @@ def test_hostile_input_is_accounted_for_and_nothing_crashes(app):
     )
     pipeline = app.pipeline(windowed=True)
     app.drain(pipeline)
-    report = verify(
-        app.bootstrap,
-        [app.topics["in"]],
-        app.topics["out"],
-        app.topics["dlq"],
-        app.topics["late"],
-        count_field="clicks",
-    )
+    report = app.report(count_field="clicks")
     assert not report.duplicates, report.summary()
     assert report.dead_letters == len(HOSTILE), report.summary()
     # The far-future record's window is the only one still open.
@@ -346,9 +336,7 @@ def test_an_output_record_over_the_size_limit_becomes_a_dead_letter(app):
     big = json.dumps({"user": "u1", "bytes": 1, "ts": BASE, "pad": "y" * 600_000}).encode()
     produce(app.bootstrap, app.topics["in"], [(b"big", big, 0)])
     app.drain(app.pipeline(windowed=False, kafka={"message.max.bytes": 500_000}))
-    report = verify(
-        app.bootstrap, [app.topics["in"]], app.topics["out"], app.topics["dlq"], app.topics["late"]
-    )
+    report = app.report()
     assert report.ok, report.summary()
     (dead,) = read_committed(app.bootstrap, app.topics["dlq"])
     headers = dict(dead.headers())

@@ -1,0 +1,85 @@
+"""The pipeline file's validation: every error names its field."""
+
+import pytest
+
+from onceflow.config import ConfigError, apply_env_overrides, parse, parse_duration_ms
+
+BASE = {
+    "app_id": "clicks",
+    "kafka": {"bootstrap_servers": "b:9092", "compression.type": "lz4"},
+    "source": {"topics": ["in"], "schema": "user STRING, bytes LONG, ts LONG"},
+    "event_time": {"field": "ts", "watermark_delay": "5s"},
+    "window": {
+        "type": "tumbling",
+        "size": "10s",
+        "key": "user",
+        "aggregations": {"n": "count(*)", "b": "sum(bytes)"},
+    },
+    "sink": {"topic": "out"},
+    "checkpoint": {"location": "/ck"},
+}
+
+
+def with_(**sections):
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in BASE.items()}
+    for section, values in sections.items():
+        if values is None:
+            raw.pop(section)
+        else:
+            raw[section] = {**raw.get(section, {}), **values}
+    return raw
+
+
+@pytest.mark.parametrize(
+    "text, ms", [("500ms", 500), ("10s", 10_000), ("1.5 minutes", 90_000), ("2h", 7_200_000)]
+)
+def test_durations(text, ms):
+    assert parse_duration_ms(text, "x") == ms
+
+
+def test_a_valid_file_parses_with_passthrough_kafka_settings():
+    config = parse(with_())
+    assert config.kafka == {"bootstrap.servers": "b:9092", "compression.type": "lz4"}
+    assert config.window.size_ms == 10_000 and config.event_time.watermark_delay_ms == 5_000
+    assert [(a.name, a.function, a.column) for a in config.window.aggregations] == [
+        ("n", "count", "*"),
+        ("b", "sum", "bytes"),
+    ]
+
+
+def test_environment_overrides_nested_fields_with_yaml_types():
+    raw = with_()
+    apply_env_overrides(
+        raw,
+        {
+            "ONCEFLOW_KAFKA__BOOTSTRAP_SERVERS": "kafka:9092",
+            "ONCEFLOW_METRICS__PORT": "9200",
+            "ONCEFLOW_HOME": "/not/an/override",
+        },
+    )
+    config = parse(raw)
+    assert config.bootstrap_servers == "kafka:9092" and config.metrics_port == 9200
+
+
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"window": {"typ": "x"}}, "window.typ: unknown field (did you mean 'type'?)"),
+        ({"window": {"type": "sliding"}}, "window.slide: is required"),
+        ({"window": {"type": "sliding", "slide": "20s"}}, "window.slide: must not exceed"),
+        ({"window": {"gap": "5s"}}, "window.gap: does not apply to tumbling windows"),
+        ({"window": {"aggregations": {"n": "median(bytes)"}}}, "window.aggregations.n:"),
+        ({"window": {"aggregations": {"key": "count(*)"}}}, "'key' is a reserved output field"),
+        ({"event_time": {"field": "tss"}}, "event_time.field: field 'tss' is not in the input"),
+        ({"source": {"format": "avro"}}, "source.schema_file: is required for format avro"),
+        ({"sink": None}, "sink: is required"),
+        ({"app_id": None, "checkpoint": {"location": "/ck"}}, "app_id: is required"),
+    ],
+)
+def test_errors_name_the_field(sections, message):
+    raw = with_(**{k: v for k, v in sections.items() if k != "app_id"})
+    if "app_id" in sections:
+        raw.pop("app_id")
+    with pytest.raises(ConfigError) as info:
+        parse(raw)
+    assert message in str(info.value)
