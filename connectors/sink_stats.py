@@ -8,11 +8,13 @@ cumulative per sink process; `pid` tells the reader when a new process started f
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import Counter
 from pathlib import Path
 
 STATS_FILE = "onceflow-sink-stats.json"
+log = logging.getLogger("onceflow.sink")
 
 records_published: Counter[str] = Counter()  # by kind, in this process
 
@@ -29,8 +31,11 @@ def write(checkpoint: str | Path, publisher_stats) -> None:
         "records": dict(records_published),
     }
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(stats))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(stats))
+        os.replace(tmp, path)
+    except OSError as exc:  # metrics must never fail an epoch that Kafka already committed
+        log.warning("could not write sink stats to %s: %s", path, exc)
 
 
 def read(checkpoint: str | Path) -> dict:
