@@ -41,5 +41,6 @@ def ensure_marker_topic(conf: dict[str, str], topic: str) -> None:
 def last_marker(conf: dict[str, str], topic: str, sink: str) -> Marker | None:
     """The newest committed marker of `sink` (the marker topic is small: it is compacted)."""
     key = sink.encode()
-    markers = [m for m in read_committed(conf, topic) if m.key() == key and m.value()]
-    return Marker.decode(markers[-1].value()) if markers else None
+    records = [m for m in read_committed(conf, topic) if m.key() == key]
+    # A tombstone (null value) deletes the sink's history: the app starts over on purpose.
+    return Marker.decode(records[-1].value()) if records and records[-1].value() else None

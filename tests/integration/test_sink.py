@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 
 from onceflow.connectors.markers import DEFAULT_MARKER_TOPIC, last_marker
-from onceflow.connectors.publisher import FencedError, TransactionalPublisher
+from onceflow.connectors.publisher import (
+    CheckpointMismatchError,
+    FencedError,
+    TransactionalPublisher,
+)
 from onceflow.connectors.topics import read_committed
 from tests.helpers import drain, produce, source_reader
 
@@ -157,3 +161,26 @@ def test_sink_without_app_id_fails_naming_the_option(spark, kafka_bootstrap, new
             .awaitTermination()
         )
     assert drain  # the shared helper module stays imported for the other tests
+
+
+def test_a_tombstone_on_the_marker_key_lets_an_app_start_over(kafka_bootstrap, new_topic):
+    from confluent_kafka import Producer
+
+    sink = new_topic(prefix="out")
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    txn_id, markers = f"reset-{uuid.uuid4().hex[:8]}", f"markers-{uuid.uuid4().hex[:8]}"
+    assert TransactionalPublisher(conf, txn_id, markers).publish(
+        0, "q1", [(sink, None, None, b"a", None)], []
+    )
+    with pytest.raises(CheckpointMismatchError):
+        TransactionalPublisher(conf, txn_id, markers).publish(
+            0, "q2", [(sink, None, None, b"b", None)], []
+        )
+
+    producer = Producer(conf)
+    producer.produce(markers, key=txn_id.encode(), value=None)
+    producer.flush(30)
+    assert TransactionalPublisher(conf, txn_id, markers).publish(
+        0, "q2", [(sink, None, None, b"c", None)], []
+    )
+    assert [m.value() for m in read_committed(kafka_bootstrap, sink)] == [b"a", b"c"]
