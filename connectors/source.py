@@ -82,11 +82,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._latest: Offsets | None = None
         self._available_now_target: dict[tuple[str, int], int] | None = None
 
-    # Clients live in module-level caches, never on the instance: the reader is pickled to
-    # executors for every batch.
-
-    def _admin(self):
-        return kafka_clients.admin(self.conf)
+    # Clients live in module-level caches (kafka_clients), never on the instance: the reader
+    # is pickled to executors for every batch.
 
     # -- planning (driver) ---------------------------------------------------------------
 
@@ -113,7 +110,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ends = (
             kafka_clients.earliest(self.conf, tps)
             if self.starting == "earliest"
-            else (kafka_clients.stable_ends(self.conf, tps))
+            else kafka_clients.stable_ends(self.conf, tps)
         )
         return _nest(ends)
 
@@ -141,11 +138,12 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """The end of the next batch: never past the last stable offset, bounded by `limit`."""
         tps = self._partitions_now()
         starts = _flat(start)
+        earliest = kafka_clients.earliest(self.conf, sorted(set(tps) | set(starts)))
         new = [tp for tp in tps if tp not in starts]
         if new:
             log.info("new partitions join from their earliest offset: %s", new)
-            starts.update(kafka_clients.earliest(self.conf, new))
-        self._check_data_loss(starts)
+            starts.update({tp: earliest[tp] for tp in new})
+        self._check_data_loss(starts, earliest)
         stable = kafka_clients.stable_ends(self.conf, list(starts))
         if self._available_now_target is not None:
             target = self._available_now_target
@@ -156,8 +154,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._latest = _nest(stable)
         return _nest(end)
 
-    def _check_data_loss(self, starts: dict[tuple[str, int], int]) -> None:
-        earliest = kafka_clients.earliest(self.conf, list(starts))
+    def _check_data_loss(self, starts: dict[tuple[str, int], int], earliest: dict) -> None:
         for tp, offset in starts.items():
             if earliest[tp] > offset:
                 message = (
