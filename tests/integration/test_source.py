@@ -177,13 +177,18 @@ def _delete_before(bootstrap: str, topic: str, partition: int, offset: int) -> N
         f.result(30)
 
 
-def test_retention_loss_fails_the_query_by_default(spark, kafka_bootstrap, new_topic, tmp_path):
-    topic = new_topic(partitions=1)
-    checkpoint = str(tmp_path / "ck")
+def _lose_unread_offsets(spark, kafka_bootstrap, topic: str, checkpoint: str) -> None:
+    """Read offsets 0..9, produce 10..19, then delete 10..14 before the query reads them."""
     produce(kafka_bootstrap, topic, ((None, f"a{i}".encode(), 0) for i in range(10)))
     drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
     produce(kafka_bootstrap, topic, ((None, f"b{i}".encode(), 0) for i in range(10)))
-    _delete_before(kafka_bootstrap, topic, 0, 15)  # offsets 10..14 were never read
+    _delete_before(kafka_bootstrap, topic, 0, 15)
+
+
+def test_retention_loss_fails_the_query_by_default(spark, kafka_bootstrap, new_topic, tmp_path):
+    topic = new_topic(partitions=1)
+    checkpoint = str(tmp_path / "ck")
+    _lose_unread_offsets(spark, kafka_bootstrap, topic, checkpoint)
 
     with pytest.raises(StreamingQueryException) as info:
         drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
@@ -195,10 +200,7 @@ def test_retention_loss_fails_the_query_by_default(spark, kafka_bootstrap, new_t
 def test_retention_loss_skips_ahead_when_allowed(spark, kafka_bootstrap, new_topic, tmp_path):
     topic = new_topic(partitions=1)
     checkpoint = str(tmp_path / "ck")
-    produce(kafka_bootstrap, topic, ((None, f"a{i}".encode(), 0) for i in range(10)))
-    drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
-    produce(kafka_bootstrap, topic, ((None, f"b{i}".encode(), 0) for i in range(10)))
-    _delete_before(kafka_bootstrap, topic, 0, 15)
+    _lose_unread_offsets(spark, kafka_bootstrap, topic, checkpoint)
 
     rows, _ = drain(
         source_reader(spark, kafka_bootstrap, topic, failOnDataLoss="false"), checkpoint
