@@ -7,6 +7,7 @@ RocksDB state store, or a user's `transform` function (which may use transformWi
 from __future__ import annotations
 
 import importlib
+import json
 from functools import partial
 
 from pyspark.sql import DataFrame, SparkSession
@@ -15,7 +16,7 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import StructField, StructType, TimestampType
 
 from onceflow import encoding
-from onceflow.config import ConfigError, PipelineConfig
+from onceflow.config import ConfigError, PipelineConfig, load_avro_schema
 from onceflow.connectors.sink import ForeachBatchSink
 from onceflow.routing import CORRUPT, HEADER_SOURCE, SOURCE_META, RoutePlan, avro_field_types, route
 
@@ -57,7 +58,8 @@ def routed_stream(spark: SparkSession, config: PipelineConfig) -> DataFrame:
         )
         fields = [f for f in staged.schema["_data"].dataType.fields if f.name != CORRUPT]
     elif source.format == "avro":
-        types = avro_field_types(_avro_schema(config))
+        avro_schema = load_avro_schema(config, "source.schema_file")
+        types = avro_field_types(avro_schema)
         fields = list(StructType.fromDDL(", ".join(f"`{n}` {t}" for n, t in types.items())).fields)
     else:
         fields = []
@@ -74,7 +76,7 @@ def routed_stream(spark: SparkSession, config: PipelineConfig) -> DataFrame:
         window_size_ms=window.size_ms if window else 0,
         window_slide_ms=(window.slide_ms or window.size_ms) if window else 0,
         session_gap_ms=(window.gap_ms or 0) if window else 0,
-        avro_schema_json=_avro_schema_json(config) if source.format == "avro" else None,
+        avro_schema_json=json.dumps(avro_schema) if source.format == "avro" else None,
         json_schema_ddl=source.schema if source.format == "json" else None,
     )
     meta = [f for f in staged.schema.fields if f.name in SOURCE_META]
@@ -184,15 +186,3 @@ def _aggregate(function: str, column: str):
     if function == "count":
         return F.count(F.lit(1)) if column == "*" else F.count(column)
     return getattr(F, function)(column)
-
-
-def _avro_schema(config: PipelineConfig) -> dict:
-    from onceflow.config import load_avro_schema
-
-    return load_avro_schema(config, "source.schema_file")
-
-
-def _avro_schema_json(config: PipelineConfig) -> str:
-    import json
-
-    return json.dumps(_avro_schema(config))
