@@ -19,7 +19,7 @@ from onceflow.connectors.publisher import (
     TransactionalPublisher,
 )
 from onceflow.connectors.topics import read_committed
-from tests.helpers import drain, produce, source_reader
+from tests.helpers import drain, produce, source_reader, wait_until
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -107,10 +107,10 @@ def test_a_zombie_with_the_same_transactional_id_is_fenced(kafka_bootstrap, new_
 
     with pytest.raises(FencedError, match=txn_id):
         zombie.publish(1, "q1", [(sink, None, b"k", b"from-zombie-1", None)], [])
-    assert [m.value() for m in read_committed(kafka_bootstrap, sink)] == [
-        b"from-zombie-0",
-        b"from-successor-1",
-    ]
+    expected = [b"from-zombie-0", b"from-successor-1"]
+    wait_until(  # the last stable offset can trail commit_transaction for a moment
+        lambda: [m.value() for m in read_committed(kafka_bootstrap, sink)] == expected, 30
+    )
 
 
 def test_an_epoch_aborted_inside_its_transaction_is_never_visible(kafka_bootstrap, new_topic):
@@ -129,7 +129,9 @@ def test_an_epoch_aborted_inside_its_transaction_is_never_visible(kafka_bootstra
     with pytest.raises(RuntimeError):
         publisher.publish(0, "q", Epoch(), [])
     assert publisher.publish(0, "q", [(sink, None, None, b"retried", None)], [])
-    assert [m.value() for m in read_committed(kafka_bootstrap, sink)] == [b"retried"]
+    wait_until(  # the last stable offset can trail commit_transaction for a moment
+        lambda: [m.value() for m in read_committed(kafka_bootstrap, sink)] == [b"retried"], 30
+    )
 
 
 def test_a_fresh_checkpoint_is_refused_instead_of_dropping_output(
@@ -183,4 +185,10 @@ def test_a_tombstone_on_the_marker_key_lets_an_app_start_over(kafka_bootstrap, n
     assert TransactionalPublisher(conf, txn_id, markers).publish(
         0, "q2", [(sink, None, None, b"c", None)], []
     )
-    assert [m.value() for m in read_committed(kafka_bootstrap, sink)] == [b"a", b"c"]
+    # commit_transaction returns before the coordinator has written every commit marker, so
+    # the last stable offset can trail it for a moment: poll for the committed records.
+    wait_until(
+        lambda: [m.value() for m in read_committed(kafka_bootstrap, sink)] == [b"a", b"c"],
+        30,
+        "the restarted app's record",
+    )
