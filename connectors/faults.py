@@ -11,8 +11,20 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
+from pathlib import Path
 
-POINTS = ("before_prepare", "after_prepare", "before_kafka_commit", "after_kafka_commit")
+POINTS = (
+    "before_prepare",
+    "after_prepare",
+    "before_kafka_commit",
+    "after_kafka_commit",
+    "during_state_store_commit",
+)
+# Stateless pipelines have no state store to interrupt.
+STATELESS_POINTS = POINTS[:-1]
+STATE_STORE_POINT = "during_state_store_commit"
 
 
 def point(name: str, batch_id: int | None = None) -> None:
@@ -24,6 +36,10 @@ def point(name: str, batch_id: int | None = None) -> None:
         return
     if wanted_batch and str(_current_batch() if batch_id is None else batch_id) != wanted_batch:
         return
+    _kill_service()
+
+
+def _kill_service() -> None:
     own = os.getpgid(0)
     service = int(os.environ.get("ONCEFLOW_SERVICE_PGID", own))
     if service != own:
@@ -37,3 +53,27 @@ def _current_batch() -> str | None:
 
     context = TaskContext.get()
     return context.getLocalProperty("streaming.sql.batchId") if context else None
+
+
+def watch_state_store_commits(checkpoint: str) -> None:
+    """Arm `during_state_store_commit@<batch>`: the state store commit runs inside Spark's JVM,
+    so a driver thread watches the checkpoint and kills the service as soon as the first
+    state file of that batch's version appears (some partitions committed, others not, and
+    Spark's commit log not yet written)."""
+    name, _, batch = os.environ.get("ONCEFLOW_FAULT", "").partition("@")
+    if name != STATE_STORE_POINT:
+        return
+    version = str(int(batch or 0) + 1)
+    state = Path(checkpoint.removeprefix("file:"), "state")
+
+    def written(entry: str) -> bool:  # final files and the temp files written before rename
+        return entry.split(".")[0] == version or entry.startswith(f".{version}.")
+
+    def watch() -> None:
+        while True:
+            for partition in state.glob("*/*"):
+                if any(written(e) for e in os.listdir(partition)):
+                    _kill_service()
+            time.sleep(0.001)
+
+    threading.Thread(target=watch, name="onceflow-fault-watch", daemon=True).start()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from onceflow import pipeline
 from onceflow.config import ConfigError, PipelineConfig
+from onceflow.connectors import faults
 from onceflow.metrics import PipelineListener, PipelineMetrics, serve
 from onceflow.spark_session import build_session
 
@@ -37,6 +38,7 @@ def run(
     Raises PipelineFailed when the query dies.
     """
     claim_checkpoint(config)
+    faults.watch_state_store_commits(config.checkpoint_location)
     spark = build_session(config.spark_master, f"onceflow-{config.app_id}", config.spark_conf)
     metrics = PipelineMetrics(config.app_id)
     listener = PipelineListener(metrics, config.checkpoint_location)
