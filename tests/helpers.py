@@ -24,7 +24,12 @@ def produce(
         producer.init_transactions(30)
         producer.begin_transaction()
     for key, value, partition in records:
-        producer.produce(topic, key=key, value=value, partition=partition)
+        while True:
+            try:
+                producer.produce(topic, key=key, value=value, partition=partition)
+                break
+            except BufferError:  # the local queue is full: let deliveries drain it
+                producer.poll(0.1)
     if transactional:
         producer.commit_transaction(30)
     assert producer.flush(30) == 0
