@@ -36,7 +36,6 @@ RETRY_BUDGET_S = 60
 _lock = threading.Lock()
 _admins: dict[tuple, AdminClient] = {}
 _consumers: dict[tuple, Consumer] = {}
-data_loss_offsets: dict[TP, int] = {}
 
 
 def _key(conf: dict[str, str], *extra: object) -> tuple:
@@ -154,7 +153,3 @@ def commit_group_offsets(conf: dict[str, str], group_id: str, offsets: dict[TP, 
         )
     except KafkaException as exc:
         log.warning("could not commit offsets to consumer group %s: %s", group_id, exc)
-
-
-def record_data_loss(tp: TP, offsets: int) -> None:
-    data_loss_offsets[tp] = data_loss_offsets.get(tp, 0) + offsets

@@ -24,7 +24,7 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
-from onceflow.connectors import kafka_clients
+from onceflow.connectors import kafka_clients, source_stats
 from onceflow.connectors.options import (
     RESERVED_CONSUMER_KEYS,
     OptionError,
@@ -79,6 +79,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.min_partitions = get_positive_int(options, "minPartitions")
         self.fail_on_data_loss = get_bool(options, "failOnDataLoss", True)
         self.group_id = options.get("group.id") or options.get("groupId")
+        # Where skipped offsets are counted for the metrics endpoint (onceflow's pipelines).
+        self.stats_location = options.get("statsLocation")
         self._latest: Offsets | None = None
         self._available_now_target: dict[tuple[str, int], int] | None = None
 
@@ -168,7 +170,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                         message + " Set failOnDataLoss=false to skip ahead and continue."
                     )
                 log.warning("%s Continuing from %d (failOnDataLoss=false).", message, earliest[tp])
-                kafka_clients.record_data_loss(tp, earliest[tp] - offset)
+                if self.stats_location:
+                    source_stats.add_data_loss(self.stats_location, *tp, earliest[tp] - offset)
                 starts[tp] = earliest[tp]
 
     def prepareForTriggerAvailableNow(self) -> None:

@@ -7,6 +7,27 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 onceflow="$VENV/bin/onceflow"
 
+# The metrics test scrapes with a real Prometheus: Debian's package, installed here when we
+# can (root and apt-get), without starting its system service.
+install_prometheus() {
+  command -v prometheus >/dev/null && return
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "run-tests: no prometheus binary and no root apt-get; the Prometheus scrape test will skip" >&2
+    return
+  fi
+  echo "run-tests: installing Debian's prometheus package for the scrape test ..."
+  local no_start=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    no_start=1
+  fi
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+      --no-install-recommends prometheus; } > "$VENV/apt-prometheus.log" 2>&1 \
+    || echo "run-tests: apt-get could not install prometheus (see $VENV/apt-prometheus.log); the scrape test will skip" >&2
+  if [ "$no_start" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+}
+install_prometheus
+
 started_broker=0
 stop_broker() {
   if [ "$started_broker" = 1 ]; then "$onceflow" kafka stop || true; fi

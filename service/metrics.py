@@ -18,7 +18,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from pyspark.sql.streaming import StreamingQueryListener
 
-from onceflow.connectors import sink_stats
+from onceflow.connectors import sink_stats, source_stats
 
 log = logging.getLogger("onceflow.metrics")
 
@@ -35,6 +35,15 @@ class PipelineMetrics:
         r, app = self.registry, ["app"]
         self.input_records = Counter(
             "onceflow_input_records", "Records read from Kafka", app, registry=r
+        )
+        self.input_bytes = Counter(
+            "onceflow_input_bytes", "Key and value bytes read from Kafka", app, registry=r
+        )
+        self.data_loss = Counter(
+            "onceflow_source_data_loss_offsets",
+            "Offsets deleted before they were read, skipped with fail_on_data_loss: false",
+            [*app, "topic", "partition"],
+            registry=r,
         )
         self.output_records = Counter(
             "onceflow_output_records",
@@ -106,9 +115,12 @@ class PipelineMetrics:
 class PipelineListener(StreamingQueryListener):
     """Feeds PipelineMetrics from Spark's query events; keeps what /healthz needs."""
 
-    def __init__(self, metrics: PipelineMetrics, checkpoint: str) -> None:
+    def __init__(self, metrics: PipelineMetrics, checkpoint: str, input_bytes=None) -> None:
         self.metrics = metrics
         self.checkpoint = checkpoint
+        self.input_bytes = input_bytes  # a Spark accumulator the reading tasks add to
+        self.bytes_seen = 0
+        self.data_loss_seen = source_stats.read(checkpoint)  # before this process started
         self.last_event = time.monotonic()
         self.ready = False
         self.failure: str | None = None
@@ -143,6 +155,16 @@ class PipelineListener(StreamingQueryListener):
             self.last_event = time.monotonic()
             self.ready = True
         m.input_records.labels(app).inc(progress.numInputRows)
+        if self.input_bytes is not None:
+            total = self.input_bytes.value
+            m.input_bytes.labels(app).inc(total - self.bytes_seen)
+            self.bytes_seen = total
+        lost = source_stats.read(self.checkpoint)
+        for position, offsets in lost.items():
+            topic, _, partition = position.rpartition("/")
+            seen = self.data_loss_seen.get(position, 0)
+            m.data_loss.labels(app, topic, partition).inc(offsets - seen)
+        self.data_loss_seen = lost
         log.info(
             "epoch %d done: %d records in %d ms",
             progress.batchId,

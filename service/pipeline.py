@@ -10,6 +10,7 @@ import importlib
 import json
 from functools import partial
 
+from pyspark import Accumulator
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
@@ -34,14 +35,20 @@ def source_stream(spark: SparkSession, config: PipelineConfig) -> DataFrame:
         .option("maxOffsetsPerTrigger", str(source.max_records_per_batch))
         .option("failOnDataLoss", str(source.fail_on_data_loss).lower())
         .option("group.id", f"onceflow-{config.app_id}")
+        .option("statsLocation", config.checkpoint_location)
     )
     if source.min_partitions:
         reader = reader.option("minPartitions", str(source.min_partitions))
     return reader.load()
 
 
-def routed_stream(spark: SparkSession, config: PipelineConfig) -> DataFrame:
-    """Decoded, on-time input records; dead letters and late records are staged for the sink."""
+def routed_stream(
+    spark: SparkSession, config: PipelineConfig, input_bytes: Accumulator | None = None
+) -> DataFrame:
+    """Decoded, on-time input records; dead letters and late records are staged for the sink.
+
+    `input_bytes` sums the key and value bytes read, for the metrics endpoint.
+    """
     raw = source_stream(spark, config)
     columns = ("key", "value", "topic", "partition", "offset", "timestamp", "headers")
     staged = raw.select(*[F.col(c).alias(m) for c, m in zip(columns, SOURCE_META, strict=True)])
@@ -85,7 +92,7 @@ def routed_stream(spark: SparkSession, config: PipelineConfig) -> DataFrame:
         + [StructField("event_time", TimestampType(), True)]
         + meta
     )
-    return staged.mapInArrow(partial(route, plan), schema)
+    return staged.mapInArrow(partial(route, plan, input_bytes), schema)
 
 
 def windowed(routed: DataFrame, config: PipelineConfig) -> DataFrame:
@@ -149,9 +156,12 @@ def passed_through(routed: DataFrame) -> DataFrame:
 
 
 def start(
-    spark: SparkSession, config: PipelineConfig, available_now: bool = False
+    spark: SparkSession,
+    config: PipelineConfig,
+    available_now: bool = False,
+    input_bytes: Accumulator | None = None,
 ) -> StreamingQuery:
-    routed = routed_stream(spark, config)
+    routed = routed_stream(spark, config, input_bytes)
     if config.window is not None:
         output, mode = windowed(routed, config), config.window.output_mode
     elif config.transform is not None:

@@ -48,10 +48,14 @@ class RoutePlan:
     json_schema_ddl: str | None = None
 
 
-def route(plan: RoutePlan, batches: Iterator) -> Iterator:
-    """mapInArrow body: yield the records that stay in the query, stage the rest."""
+def route(plan: RoutePlan, input_bytes, batches: Iterator) -> Iterator:
+    """mapInArrow body: yield the records that stay in the query, stage the rest.
+
+    `input_bytes` (a Spark accumulator, or None) counts the key and value bytes read.
+    """
     import numpy as np
     import pyarrow as pa
+    import pyarrow.compute as pc
     from pyspark import TaskContext
 
     context = TaskContext.get()
@@ -59,6 +63,9 @@ def route(plan: RoutePlan, batches: Iterator) -> Iterator:
     watermark_ms = batch_watermark_ms(plan.checkpoint, batch_id)
     side: list[dict] = []
     for batch in batches:
+        if input_bytes is not None:
+            sizes = [pc.sum(pc.binary_length(batch.column(c))).as_py() for c in ("_key", "_value")]
+            input_bytes.add(sum(s or 0 for s in sizes))
         fields, reasons = _decode(plan, batch)
         event_ms = _event_time_ms(plan, batch, fields)
         _explain_missing(plan, fields, event_ms, reasons)

@@ -41,7 +41,8 @@ def run(
     faults.watch_state_store_commits(config.checkpoint_location)
     spark = build_session(config.spark_master, f"onceflow-{config.app_id}", config.spark_conf)
     metrics = PipelineMetrics(config.app_id)
-    listener = PipelineListener(metrics, config.checkpoint_location)
+    input_bytes = spark.sparkContext.accumulator(0)
+    listener = PipelineListener(metrics, config.checkpoint_location, input_bytes)
     if any(Path(config.checkpoint_location.removeprefix("file:"), "commits").glob("[0-9]*")):
         metrics.restarts.labels(config.app_id).inc()
     spark.streams.addListener(listener)
@@ -52,7 +53,7 @@ def run(
         for sig in (signal.SIGTERM, signal.SIGINT):
             handlers[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
-        query = pipeline.start(spark, config, available_now)
+        query = pipeline.start(spark, config, available_now, input_bytes)
         log.info("query %s started (checkpoint %s)", config.app_id, config.checkpoint_location)
         while query.isActive and not stop.is_set():
             query.awaitTermination(0.5)

@@ -8,7 +8,6 @@ Central), which is stopped at the end only if this session started it.
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections.abc import Iterator
 
@@ -16,6 +15,7 @@ import pytest
 
 from onceflow.connectors.topics import create_topic
 from onceflow.local_kafka import KAFKA_VERSION, LocalKafka
+from tests.helpers import free_port
 
 # The settings a one-node apache/kafka container needs for transactions (same as compose).
 KAFKA_CONTAINER_ENV = {
@@ -52,12 +52,6 @@ def docker_engine_answers() -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def kafka_bootstrap() -> Iterator[str]:
     if bootstrap := os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
@@ -67,7 +61,7 @@ def kafka_bootstrap() -> Iterator[str]:
         from testcontainers.core.container import DockerContainer
         from testcontainers.core.waiting_utils import wait_for_logs
 
-        port = _free_port()
+        port = free_port()
         container = DockerContainer(f"apache/kafka:{KAFKA_VERSION}").with_bind_ports(9092, port)
         for key, value in {
             **KAFKA_CONTAINER_ENV,

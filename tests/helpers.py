@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -33,6 +34,12 @@ def produce(
     if transactional:
         producer.commit_transaction(30)
     assert producer.flush(30) == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 60, what: str = "condition"):

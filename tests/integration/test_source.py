@@ -8,7 +8,7 @@ import pytest
 from confluent_kafka import Producer, TopicPartition
 from pyspark.errors import StreamingQueryException
 
-from onceflow.connectors import kafka_clients
+from onceflow.connectors import kafka_clients, source_stats
 from tests.helpers import drain, produce, source_reader, wait_until
 
 pytestmark = pytest.mark.integration
@@ -197,15 +197,19 @@ def test_retention_loss_fails_the_query_by_default(spark, kafka_bootstrap, new_t
     assert "expected offset 10" in message and "earliest available offset is 15" in message
 
 
-def test_retention_loss_skips_ahead_when_allowed(spark, kafka_bootstrap, new_topic, tmp_path):
+def test_retention_loss_skips_ahead_when_allowed_and_counts_the_lost_offsets(
+    spark, kafka_bootstrap, new_topic, tmp_path
+):
     topic = new_topic(partitions=1)
     checkpoint = str(tmp_path / "ck")
     _lose_unread_offsets(spark, kafka_bootstrap, topic, checkpoint)
 
-    rows, _ = drain(
-        source_reader(spark, kafka_bootstrap, topic, failOnDataLoss="false"), checkpoint
+    reader = source_reader(
+        spark, kafka_bootstrap, topic, failOnDataLoss="false", statsLocation=checkpoint
     )
+    rows, _ = drain(reader, checkpoint)
     assert records_of(rows) == {0: [(10 + i, f"b{i}".encode()) for i in range(5, 10)]}
+    assert source_stats.read(checkpoint) == {f"{topic}/0": 5}  # for the metrics endpoint
 
 
 def test_unknown_topic_fails_fast_naming_the_option(spark, kafka_bootstrap, tmp_path):
