@@ -18,11 +18,12 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from pyspark.sql.streaming import StreamingQueryListener
 
-from onceflow.connectors import sink_stats, source_stats
+from onceflow.connectors import kafka_clients, sink_stats, source_stats
 
 log = logging.getLogger("onceflow.metrics")
 
 STALL_TIMEOUT_S = 300.0
+LAG_PROBE_INTERVAL_S = 2.0
 EPOCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
 
@@ -126,6 +127,8 @@ class PipelineListener(StreamingQueryListener):
         self.failure: str | None = None
         self.previous_stats: dict = {}
         self.lock = threading.Lock()
+        self.processed_ends: dict[tuple[str, int], int] = {}  # end offsets of the last epoch
+        self.watermark_s = 0.0
 
     def onQueryStarted(self, event) -> None:
         self.metrics.up.labels(self.metrics.app_id).set(1)
@@ -186,10 +189,16 @@ class PipelineListener(StreamingQueryListener):
         m.phase_seconds.labels(app, "commit").observe(durations.get("commitOffsets", 0) / 1000)
         for source in progress.sources:
             _lag(m, app, source.endOffset, source.latestOffset)
+            for topic, partitions in json.loads(source.endOffset or "{}").items():
+                for partition, offset in partitions.items():
+                    self.processed_ends[(topic, int(partition))] = offset
         watermark = (progress.eventTime or {}).get("watermark")
-        if watermark:
-            seconds = datetime.fromisoformat(watermark.replace("Z", "+00:00")).timestamp()
+        seconds = (
+            datetime.fromisoformat(watermark.replace("Z", "+00:00")).timestamp() if watermark else 0
+        )
+        if seconds > 0:  # Spark reports the epoch (1970) until the first event time is seen
             m.watermark.labels(app).set(seconds)
+            self.watermark_s = seconds
             m.watermark_lag.labels(app).set(max(0.0, time.time() - seconds))
         operators = progress.stateOperators or []
         m.state_rows.labels(app).set(sum(op.numRowsTotal for op in operators))
@@ -239,6 +248,38 @@ def _lag(metrics: PipelineMetrics, app: str, end: str | None, latest: str | None
         for partition, offset in partitions.items():
             done = ends.get(topic, {}).get(partition, 0)
             metrics.source_lag.labels(app, topic, partition).set(max(0, offset - done))
+
+
+def probe_lag(
+    metrics: PipelineMetrics, listener: PipelineListener, kafka_conf: dict[str, str]
+) -> threading.Event:
+    """Refresh source lag (from the broker's last stable offsets) and watermark lag every
+    LAG_PROBE_INTERVAL_S.
+
+    Progress events only know the offsets seen when an epoch was planned, so a long epoch
+    would hide the backlog growing behind it. Set the returned event to stop probing.
+    """
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.wait(LAG_PROBE_INTERVAL_S):
+            if listener.watermark_s:
+                lag_s = max(0.0, time.time() - listener.watermark_s)
+                metrics.watermark_lag.labels(metrics.app_id).set(lag_s)
+            processed = dict(listener.processed_ends)
+            if not processed:
+                continue
+            try:
+                stable = kafka_clients.stable_ends(kafka_conf, list(processed))
+            except Exception as exc:  # the broker may be away; the next probe tries again
+                log.debug("lag probe failed: %s", exc)
+                continue
+            for (topic, partition), end in stable.items():
+                lag = max(0, end - processed[(topic, partition)])
+                metrics.source_lag.labels(metrics.app_id, topic, str(partition)).set(lag)
+
+    threading.Thread(target=probe, daemon=True, name="lag-probe").start()
+    return stop
 
 
 class _QuietHandler(WSGIRequestHandler):

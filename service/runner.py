@@ -13,7 +13,7 @@ from pathlib import Path
 from onceflow import pipeline
 from onceflow.config import ConfigError, PipelineConfig
 from onceflow.connectors import faults
-from onceflow.metrics import PipelineListener, PipelineMetrics, serve
+from onceflow.metrics import PipelineListener, PipelineMetrics, probe_lag, serve
 from onceflow.spark_session import build_session
 
 log = logging.getLogger("onceflow.run")
@@ -47,6 +47,7 @@ def run(
         metrics.restarts.labels(config.app_id).inc()
     spark.streams.addListener(listener)
     server = _serve_metrics(config, metrics, listener)
+    lag_probe = probe_lag(metrics, listener, dict(config.kafka))
     stop = stop or threading.Event()
     handlers = {}
     if threading.current_thread() is threading.main_thread():
@@ -66,6 +67,7 @@ def run(
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         spark.streams.removeListener(listener)
+        lag_probe.set()
         if server is not None:
             server.shutdown()
             server.server_close()
