@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import yaml
@@ -23,6 +25,17 @@ def prometheus_binary() -> str:
     if binary is None:
         pytest.skip(f"no prometheus binary on PATH; install it with: {INSTALL_HINT}")
     return binary
+
+
+def _get(url: str) -> tuple[int, str] | None:
+    """(status, body) of a GET, or None while nothing listens."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode().strip()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode().strip()
+    except OSError:
+        return None
 
 
 def _wave(bootstrap: str, topic: str, start: int, count: int) -> int:
@@ -75,8 +88,14 @@ def test_prometheus_sees_throughput_committed_batches_and_lag_return_to_zero(
         batch = f"onceflow_last_committed_batch_id{selector}"
         lag = f"sum(onceflow_source_lag_records{selector})"
 
+        health = f"http://127.0.0.1:{metrics_port}/healthz"
+        wait_until(lambda: _get(health) is not None, 120, "the metrics port to answer")
+        status, reason = _get(health)
+        assert status == 200 or (status == 503 and reason.startswith("starting")), reason
+
         # While the backlog drains, the series move and the lag is visibly above zero.
         wait_until(lambda: (prometheus.query(records) or 0) > 0, 120, "first scraped epoch")
+        assert _get(health) == (200, "ok")
         first_records, first_batch = prometheus.query(records), prometheus.query(batch) or 0
         wait_until(lambda: (prometheus.query(lag) or 0) > 0, 60, "a scrape during the backlog")
         wait_until(lambda: prometheus.query(records) > first_records, 60, "throughput")
