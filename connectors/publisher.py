@@ -143,6 +143,17 @@ class TransactionalPublisher:
         assert producer is not None
         t0 = time.monotonic()
         producer.begin_transaction()
+        marker = self._produce_epoch(producer, marker, records)
+        faults.point("before_kafka_commit", marker.batch_id)
+        self._commit(producer)
+        faults.point("after_kafka_commit", marker.batch_id)
+        self.stats.transactions_committed += 1
+        self.stats.records_published += marker.records
+        self.stats.commit_seconds.append(time.monotonic() - t0)
+        return marker
+
+    def _produce_epoch(self, producer: Producer, marker: Marker, records: Iterable[tuple]):
+        """Produce the epoch's records, then its marker; the marker counts the records."""
         count = 0
         for topic, partition, key, value, headers in records:
             try:
@@ -154,12 +165,6 @@ class TransactionalPublisher:
             count += 1
         marker = Marker(marker.sink, marker.batch_id, marker.query_id, count, marker.source_offsets)
         _produce(producer, self.marker_topic, None, marker.sink.encode(), marker.encode(), None)
-        faults.point("before_kafka_commit", marker.batch_id)
-        self._commit(producer)
-        faults.point("after_kafka_commit", marker.batch_id)
-        self.stats.transactions_committed += 1
-        self.stats.records_published += count
-        self.stats.commit_seconds.append(time.monotonic() - t0)
         return marker
 
     def _oversized(self, producer: Producer, topic: str, key, value, headers) -> None:
@@ -221,6 +226,53 @@ class TransactionalPublisher:
         return exc
 
 
+class AtLeastOncePublisher(TransactionalPublisher):
+    """`sink.guarantee: at_least_once`: the same epochs, markers and replay check, without the
+    transaction. A crash between an epoch's records and its marker repeats those records on
+    restart. For outputs that tolerate duplicates, and to measure what exactly-once costs."""
+
+    def _start(self) -> Producer:
+        if self.producer is None:
+            ensure_marker_topic(self.conf, self.marker_topic)
+            self.delivery_errors: list[str] = []
+            self.producer = Producer(
+                {
+                    "linger.ms": 5,
+                    "batch.size": 1_000_000,
+                    "queue.buffering.max.messages": 1_000_000,
+                    "queue.buffering.max.kbytes": 1_048_576,
+                    **self.conf,
+                    "enable.idempotence": True,
+                    "on_delivery": self._delivered,
+                }
+            )
+            self.last = last_marker(self.conf, self.marker_topic, self.transactional_id)
+            self.stats.last_committed_batch = self.last.batch_id if self.last else -1
+        return self.producer
+
+    def _delivered(self, error, message) -> None:
+        if error is not None:
+            self.delivery_errors.append(f"{message.topic()}[{message.partition()}]: {error}")
+
+    def _publish_once(self, marker: Marker, records: Iterable[tuple]) -> Marker:
+        producer = self.producer
+        assert producer is not None
+        t0 = time.monotonic()
+        marker = self._produce_epoch(producer, marker, records)
+        if producer.flush(TRANSACTION_TIMEOUT_S) or self.delivery_errors:
+            failed, self.delivery_errors = self.delivery_errors, []
+            raise RuntimeError(
+                f"epoch {marker.batch_id} was not fully delivered ({failed[:3]} ...); Spark "
+                "will run it again (at-least-once)"
+            )
+        self.stats.records_published += marker.records
+        self.stats.commit_seconds.append(time.monotonic() - t0)
+        return marker
+
+    def _abort(self) -> None:
+        """Nothing to abort without a transaction: what was delivered stays."""
+
+
 def _is_fenced(error: KafkaError) -> bool:
     return error.code() in (
         KafkaError._FENCED,
@@ -251,12 +303,12 @@ def publisher_for(
     transactional_id: str,
     marker_topic: str,
     dead_letter_topic: str | None = None,
+    exactly_once: bool = True,
 ) -> TransactionalPublisher:
     """The process-wide publisher of a sink: init_transactions is paid once, not per epoch."""
-    key = (transactional_id, marker_topic, dead_letter_topic, *sorted(conf.items()))
+    key = (transactional_id, marker_topic, dead_letter_topic, exactly_once, *sorted(conf.items()))
+    kind = TransactionalPublisher if exactly_once else AtLeastOncePublisher
     with _lock:
         if key not in _publishers:
-            _publishers[key] = TransactionalPublisher(
-                conf, transactional_id, marker_topic, dead_letter_topic
-            )
+            _publishers[key] = kind(conf, transactional_id, marker_topic, dead_letter_topic)
         return _publishers[key]

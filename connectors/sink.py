@@ -67,6 +67,12 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
             )
         self.marker_topic = options.get("markerTopic") or DEFAULT_MARKER_TOPIC
         self.dead_letter_topic = options.get("deadLetterTopic")
+        guarantee = options.get("guarantee", "exactly_once")
+        if guarantee not in ("exactly_once", "at_least_once"):
+            raise OptionError(
+                f"option 'guarantee' is {guarantee!r}; use exactly_once or at_least_once"
+            )
+        self.exactly_once = guarantee == "exactly_once"
         checkpoint = options.get("checkpointLocation")
         if not checkpoint:
             raise OptionError(
@@ -107,7 +113,11 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
 
     def _publisher(self):
         return publisher_for(
-            self.conf, self.transactional_id, self.marker_topic, self.dead_letter_topic
+            self.conf,
+            self.transactional_id,
+            self.marker_topic,
+            self.dead_letter_topic,
+            self.exactly_once,
         )
 
     def _query_id(self) -> str:

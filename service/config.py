@@ -82,6 +82,7 @@ class SinkConfig:
     dead_letter_topic: str | None = None
     late_topic: str | None = None
     marker_topic: str | None = None
+    guarantee: str = "exactly_once"  # at_least_once: no transaction (duplicates on a crash)
 
 
 @dataclass(frozen=True)
@@ -264,13 +265,14 @@ def _source(s: _Section) -> SourceConfig:
 
 
 def _sink(s: _Section) -> SinkConfig:
-    s.only("topic", "format", "dead_letter_topic", "late_topic", "marker_topic")
+    s.only("topic", "format", "dead_letter_topic", "late_topic", "marker_topic", "guarantee")
     return SinkConfig(
         topic=s.string("topic", required=True),
         format=s.choice("format", ("json", "avro"), default="json"),
         dead_letter_topic=s.string("dead_letter_topic"),
         late_topic=s.string("late_topic"),
         marker_topic=s.string("marker_topic"),
+        guarantee=s.choice("guarantee", ("exactly_once", "at_least_once"), default="exactly_once"),
     )
 
 

@@ -174,6 +174,7 @@ def start(
         "appId": config.app_id,
         "sinkName": config.sink.topic,
         "checkpointLocation": config.checkpoint_location,
+        "guarantee": config.sink.guarantee,
     }
     if config.sink.marker_topic:
         options["markerTopic"] = config.sink.marker_topic

@@ -14,6 +14,7 @@ import pytest
 
 from onceflow.connectors.markers import DEFAULT_MARKER_TOPIC, last_marker
 from onceflow.connectors.publisher import (
+    AtLeastOncePublisher,
     CheckpointMismatchError,
     FencedError,
     TransactionalPublisher,
@@ -192,3 +193,21 @@ def test_a_tombstone_on_the_marker_key_lets_an_app_start_over(kafka_bootstrap, n
         30,
         "the restarted app's record",
     )
+
+
+def test_at_least_once_publishes_without_a_transaction_and_still_skips_marked_replays(
+    kafka_bootstrap, new_topic
+):
+    sink = new_topic(prefix="out")
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    sink_id, markers = f"alo-{uuid.uuid4().hex[:8]}", f"markers-{uuid.uuid4().hex[:8]}"
+    publisher = AtLeastOncePublisher(conf, sink_id, markers)
+    assert publisher.publish(0, "q", [(sink, None, None, b"a", None)], [])
+    assert publisher.stats.transactions_committed == 0
+    # Delivered means visible at once: no transaction, so no commit marker to wait for.
+    assert [m.value() for m in read_committed(kafka_bootstrap, sink)] == [b"a"]
+
+    restarted = AtLeastOncePublisher(conf, sink_id, markers)
+    assert not restarted.publish(0, "q", [(sink, None, None, b"replayed", None)], [])
+    assert restarted.publish(1, "q", [(sink, None, None, b"b", None)], [])
+    assert [m.value() for m in read_committed(kafka_bootstrap, sink)] == [b"a", b"b"]
