@@ -66,11 +66,21 @@ def run(
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        _deliver_pending_events(spark)
         spark.streams.removeListener(listener)
         lag_probe.set()
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+def _deliver_pending_events(spark, timeout_ms: int = 10_000) -> None:
+    """Let the listener see the last epochs' progress before the process exits: Spark
+    delivers query events asynchronously, and a drained backlog ends the query at once."""
+    try:
+        spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty(timeout_ms)
+    except Exception as exc:  # metrics only; never fail a finished run over them
+        log.warning("some query events were not delivered before exit: %s", exc)
 
 
 def _serve_metrics(config: PipelineConfig, metrics: PipelineMetrics, listener: PipelineListener):

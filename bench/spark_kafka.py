@@ -1,0 +1,171 @@
+"""Peer: Spark's own JVM Kafka source and sink (spark-sql-kafka-0-10, at-least-once) running
+the same four queries, in a process of its own.
+
+    python -m bench.spark_kafka --query q5 --bootstrap B --source T --sink S --checkpoint DIR
+
+Prints one JSON line: records read and the processing seconds (first epoch start to last
+epoch end, from the query's progress reports). The connector jars come from Maven Central
+through `mvn`, like the local broker's (Ivy cannot use this machine's proxy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from datetime import datetime
+from pathlib import Path
+
+from onceflow.local_kafka import LocalKafka
+
+# Spark 4.3's connector is not on Maven Central (as this machine reaches it) yet; 4.2's runs
+# on the 4.3 runtime. Its token-provider 4.2.0 is missing there too; 4.0.0's serves.
+CONNECTOR = "org.apache.spark:spark-sql-kafka-0-10_2.13:4.2.0"
+TOKEN_PROVIDER = "org.apache.spark:spark-token-provider-kafka-0-10_2.13:4.0.0"
+
+
+def connector_jars() -> list[str]:
+    """The connector and its runtime dependencies that pyspark does not ship."""
+    import pyspark
+
+    target = LocalKafka.from_env().home / "spark-kafka-jars"
+    if not any(target.glob("spark-sql-kafka*.jar")):
+        group, artifact, version = CONNECTOR.split(":")
+        _, token_artifact, token_version = TOKEN_PROVIDER.split(":")
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "pom.xml").write_text(
+            f"""<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>onceflow</groupId><artifactId>spark-kafka-jars</artifactId><version>1</version>
+  <dependencies>
+    <dependency><groupId>{group}</groupId><artifactId>{artifact}</artifactId>
+      <version>{version}</version>
+      <exclusions><exclusion><groupId>{group}</groupId><artifactId>{token_artifact}</artifactId>
+      </exclusion></exclusions></dependency>
+    <dependency><groupId>{group}</groupId><artifactId>{token_artifact}</artifactId>
+      <version>{token_version}</version></dependency>
+  </dependencies>
+</project>"""
+        )
+        # Spark's parent pom names a Google mirror of Central; send that to Central itself.
+        (target / "settings.xml").write_text(
+            """<settings><mirrors><mirror><id>central-for-gcs</id>
+  <mirrorOf>gcs-maven-central-mirror</mirrorOf>
+  <url>https://repo.maven.apache.org/maven2</url></mirror></mirrors></settings>"""
+        )
+        print(f"fetching {CONNECTOR} with mvn ...", flush=True)
+        subprocess.run(
+            [
+                "mvn",
+                "-q",
+                "-s",
+                str(target / "settings.xml"),
+                "-f",
+                str(target / "pom.xml"),
+                "dependency:copy-dependencies",
+                "-DincludeScope=runtime",
+                f"-DoutputDirectory={target}",
+            ],
+            check=True,
+        )
+    shipped = {_artifact(j.name) for j in (Path(pyspark.__file__).parent / "jars").glob("*.jar")}
+    return sorted(str(j) for j in target.glob("*.jar") if _artifact(j.name) not in shipped)
+
+
+def _artifact(jar: str) -> str:
+    """`kafka-clients-3.9.2.jar` -> `kafka-clients`."""
+    parts = jar.removesuffix(".jar").split("-")
+    return "-".join(p for p in parts if not p[:1].isdigit())
+
+
+def build_query(spark, query: str, bootstrap: str, source: str):
+    from pyspark.sql import functions as F
+
+    from bench.nexmark import BID_SCHEMA, WINDOWS
+
+    raw = (
+        spark.readStream.format("kafka")
+        .option("kafka.bootstrap.servers", bootstrap)
+        .option("subscribe", source)
+        .option("startingOffsets", "earliest")
+        .option("kafka.isolation.level", "read_committed")
+        .option("maxOffsetsPerTrigger", 200_000)
+        .load()
+    )
+    bids = raw.select(F.from_json(F.col("value").cast("string"), BID_SCHEMA).alias("b")).select(
+        "b.*"
+    )
+    if query == "q1":
+        value = F.to_json(
+            F.struct(
+                "auction",
+                "bidder",
+                (F.col("price") * 0.908).cast("bigint").alias("price"),
+                "dateTime",
+            )
+        )
+        return bids.select(F.col("auction").cast("string").alias("key"), value.alias("value"))
+    window = WINDOWS[query]
+    events = bids.withColumn("event_time", F.timestamp_millis("dateTime")).withWatermark(
+        "event_time", "1 second"
+    )
+    if window["type"] == "session":
+        bucket = F.session_window("event_time", window["gap"].replace("s", " seconds"))
+    else:
+        size = window["size"].replace("s", " seconds")
+        slide = window.get("slide", window["size"]).replace("s", " seconds")
+        bucket = F.window("event_time", size, slide)
+    ((name, expr),) = window["aggregations"].items()
+    function, column = expr.rstrip(")").split("(")
+    aggregate = F.count(F.lit(1)) if column == "*" else getattr(F, function)(column)
+    result = events.groupBy(bucket.alias("w"), window["key"]).agg(aggregate.alias(name))
+    value = F.to_json(
+        F.struct(
+            F.col(window["key"]).alias("key"),
+            F.unix_millis("w.start").alias("window_start"),
+            F.unix_millis("w.end").alias("window_end"),
+            name,
+        )
+    )
+    return result.select(F.col(window["key"]).cast("string").alias("key"), value.alias("value"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("query", "bootstrap", "source", "sink", "checkpoint"):
+        parser.add_argument(f"--{name}", required=True)
+    parser.add_argument("--master", default="local[2]")
+    args = parser.parse_args()
+    from pyspark.sql import SparkSession
+
+    from onceflow.spark_session import DEFAULT_CONF
+
+    builder = SparkSession.builder.master(args.master).config(
+        "spark.jars", ",".join(connector_jars())
+    )
+    for key, value in DEFAULT_CONF.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    query = (
+        build_query(spark, args.query, args.bootstrap, args.source)
+        .writeStream.format("kafka")
+        .option("kafka.bootstrap.servers", args.bootstrap)
+        .option("topic", args.sink)
+        .option("checkpointLocation", args.checkpoint)
+        .outputMode("append")
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    progress = [p for p in query.recentProgress if p["numInputRows"]]
+    first = datetime.fromisoformat(progress[0]["timestamp"].replace("Z", "+00:00")).timestamp()
+    last = progress[-1]
+    end = datetime.fromisoformat(last["timestamp"].replace("Z", "+00:00")).timestamp()
+    end += last["batchDuration"] / 1000
+    records = sum(p["numInputRows"] for p in query.recentProgress)
+    print(json.dumps({"records": records, "seconds": end - first}))
+
+
+if __name__ == "__main__":
+    main()
