@@ -51,7 +51,10 @@ def routed_stream(
     """
     raw = source_stream(spark, config)
     columns = ("key", "value", "topic", "partition", "offset", "timestamp", "headers")
-    staged = raw.select(*[F.col(c).alias(m) for c, m in zip(columns, SOURCE_META, strict=True)])
+    carried = tuple(m for m in SOURCE_META if config.window is None or m != "_headers")
+    staged = raw.select(
+        *[F.col(c).alias(m) for c, m in zip(columns, SOURCE_META, strict=True) if m in carried]
+    )
     source = config.source
     if source.format == "json":
         ddl = f"{source.schema}, {CORRUPT} STRING"
@@ -85,8 +88,9 @@ def routed_stream(
         session_gap_ms=(window.gap_ms or 0) if window else 0,
         avro_schema_json=json.dumps(avro_schema) if source.format == "avro" else None,
         json_schema_ddl=source.schema if source.format == "json" else None,
+        meta=carried,
     )
-    meta = [f for f in staged.schema.fields if f.name in SOURCE_META]
+    meta = [f for f in staged.schema.fields if f.name in carried]
     schema = StructType(
         [StructField(f.name, f.dataType, True) for f in fields]
         + [StructField("event_time", TimestampType(), True)]
