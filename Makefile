@@ -19,6 +19,13 @@ demo: $(INSTALLED)
 test: $(INSTALLED)
 	bash deploy/run-tests.sh $(PYTEST_ARGS)
 
+# The Nexmark benchmark: onceflow next to Quix Streams, Spark's JVM Kafka connector and the
+# copier ceiling; results in bench/results/.
+bench: $(INSTALLED)
+	$(VENV)/bin/python -m pip install --quiet -e '.[bench]'
+	$(VENV)/bin/onceflow kafka start
+	$(VENV)/bin/python -m bench.run $(BENCH_ARGS)
+
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check service connectors tests examples bench
 	$(VENV)/bin/ruff format --check service connectors tests examples bench

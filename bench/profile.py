@@ -1,10 +1,12 @@
-"""Where an onceflow epoch's CPU goes: the JVM against each Python role, and the hottest
-Python functions (py-spy, sampling the service and every Python worker Spark starts).
+"""Where an onceflow run's CPU goes: the JVM against the Python processes, the JVM's hottest
+methods (Java Flight Recorder), and the hottest Python functions by role (py-spy, sampling
+the service and every Python worker Spark starts).
 
-    python -m bench.profile PIPELINE.yaml [--out bench/results/profile-q5.md]
+    python -m bench.profile PIPELINE.yaml [--out bench/results/profile.md]
 
-Runs `onceflow run PIPELINE --available-now` under `py-spy record --subprocesses`, reads the
-CPU seconds of every process from /proc just before it exits, and writes a Markdown summary.
+Runs `onceflow run PIPELINE --available-now` with a flight recording and under
+`py-spy record --subprocesses`, reads every process's CPU seconds from /proc while it runs,
+and writes a Markdown summary.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import yaml
 
 ROLES = [  # (role, a file on the stack that marks it), first match wins
     ("sink phase 2: the epoch's Kafka transaction", "publisher.py"),
@@ -58,8 +62,15 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/profile.md")
     args = parser.parse_args()
     stacks = Path(args.out).with_suffix(".collapsed")
+    recording = Path(args.out).with_suffix(".jfr")
+    config = yaml.safe_load(Path(args.pipeline).read_text())
+    config.setdefault("spark", {}).setdefault("conf", {})["spark.driver.extraJavaOptions"] = (
+        f"-XX:StartFlightRecording=filename={recording},settings=profile"
+    )
+    profiled = Path(args.out).with_suffix(".yaml")
+    profiled.write_text(yaml.safe_dump(config))
     service = subprocess.Popen(
-        [sys.executable, "-m", "onceflow.cli", "run", args.pipeline, "--available-now"],
+        [sys.executable, "-m", "onceflow.cli", "run", str(profiled), "--available-now"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -80,8 +91,11 @@ def main() -> None:
     stop.set()
     watcher.join()
     spy.wait(60)
-    Path(args.out).write_text(summary(stacks, totals, args.pipeline))
-    print(Path(args.out).read_text())
+    text = summary(stacks, totals, args.pipeline) + jvm_summary(recording)
+    Path(args.out).write_text(text)
+    for scratch in (stacks, recording, profiled):
+        scratch.unlink(missing_ok=True)
+    print(text)
 
 
 def summary(stacks: Path, totals: dict, pipeline: str) -> str:
@@ -115,3 +129,24 @@ def summary(stacks: Path, totals: dict, pipeline: str) -> str:
 
 if __name__ == "__main__":
     main()
+
+
+def jvm_summary(recording: Path, top: int = 10) -> str:
+    """The JVM's hottest methods: the top frame of each flight-recorder execution sample."""
+    printed = subprocess.run(
+        ["jfr", "print", "--events", "jdk.ExecutionSample", "--stack-depth", "1", str(recording)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    frames = re.findall(r"stackTrace = \[\s*\n\s*(\S+?)\(", printed)
+    counts = collections.Counter(frames)
+    lines = [
+        "",
+        f"Hottest JVM methods ({len(frames)} flight-recorder samples, all threads):",
+        "",
+        "| method | share |",
+        "|---|---|",
+    ]
+    lines += [f"| `{m}` | {n / len(frames):.1%} |" for m, n in counts.most_common(top)]
+    return "\n".join(lines) + "\n"

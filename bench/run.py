@@ -9,10 +9,11 @@ own while this one samples the process tree's RSS:
 - the copier ceiling for Q1 (bench/copier.py) and a plain consumer's read rate;
 - Quix Streams exactly-once (bench/quix_app.py, in bench/.venv-quix);
 - Spark's JVM Kafka source and sink, at-least-once (bench/spark_kafka.py).
-Then Q1 end-to-end latency at half of onceflow's saturation rate, and onceflow on 1 vs 2
-cores. Throughput is records / processing seconds (first record read to last output
-committed), so JVM and interpreter start-up are left out for every system alike.
-Writes bench/results/nexmark.json, nexmark.md and nexmark.png.
+Then Q1 end-to-end latency at half of onceflow's saturation rate, onceflow on 1 vs 2 cores,
+and a profile of onceflow's Q1 and Q5 (bench/profile.py: JFR + py-spy). Throughput is
+records / processing seconds (first record read to last output committed), so JVM and
+interpreter start-up are left out for every system alike.
+Writes bench/results/nexmark.json, nexmark.md, nexmark.png and profile-q1.md, profile-q5.md.
 """
 
 from __future__ import annotations
@@ -315,6 +316,7 @@ def main() -> None:
     work = Path("/tmp") / f"onceflow-nexmark-{uuid.uuid4().hex[:6]}"
     work.mkdir(parents=True)
     bench = Bench(bootstrap, args.records, work)
+    RESULTS.mkdir(exist_ok=True)
     print(f"preloading {args.records:,} Nexmark bids into {bench.source} ...", flush=True)
     t0 = time.perf_counter()
     payload = preload(bootstrap, bench.source, args.records, PARTITIONS)
@@ -351,6 +353,31 @@ def main() -> None:
         latencies.append(latency(bench, system, rate))
         print(f"  {system:28s} p50 {latencies[-1]['p50_ms']} ms, p99 {latencies[-1]['p99_ms']} ms")
 
+    for query in ("q1", "q5"):
+        print(f"profiling onceflow {query} ...", flush=True)
+        config = pipeline(
+            query,
+            bootstrap,
+            bench.source,
+            bench.topic(f"prof-{query}"),
+            str(work / f"prof-{query}"),
+        )
+        path = work / f"prof-{query}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.profile",
+                str(path),
+                "--out",
+                str(RESULTS / f"profile-{query}.md"),
+            ],
+            cwd=REPO,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+
     results = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, {datetime.now().date()}",
@@ -360,7 +387,6 @@ def main() -> None:
         "throughput": bench.rows,
         "latency_q1": latencies,
     }
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "nexmark.json").write_text(json.dumps(results, indent=2) + "\n")
     markdown = report(results)
     (RESULTS / "nexmark.md").write_text(markdown)
