@@ -87,7 +87,7 @@ def main() -> None:
     for name in ("bootstrap", "source", "sink"):
         parser.add_argument(f"--{name}", required=True)
     parser.add_argument("--records", type=int, required=True)
-    parser.add_argument("--batch", type=int, default=200_000, help="records per transaction")
+    parser.add_argument("--batch", type=int, default=100_000, help="records per transaction")
     args = parser.parse_args()
     print(json.dumps(copy(args.bootstrap, args.source, args.sink, args.records, args.batch)))
 

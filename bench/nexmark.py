@@ -124,6 +124,7 @@ WINDOWS = {
     },
 }
 QUERIES = ("q1", *WINDOWS)
+EPOCH_RECORDS = 100_000  # per micro-batch (onceflow, Spark) and per transaction (copier)
 
 
 def pipeline(
@@ -144,7 +145,7 @@ def pipeline(
             "starting_offsets": "earliest",
             "format": "json",
             "schema": BID_SCHEMA,
-            "max_records_per_batch": 200_000,
+            "max_records_per_batch": EPOCH_RECORDS,
         },
         "event_time": {"field": "dateTime", "watermark_delay": "1s"},
         "sink": {"topic": sink, "guarantee": guarantee},

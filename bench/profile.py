@@ -127,10 +127,6 @@ def summary(stacks: Path, totals: dict, pipeline: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":
-    main()
-
-
 def jvm_summary(recording: Path, top: int = 10) -> str:
     """The JVM's hottest methods: the top frame of each flight-recorder execution sample."""
     printed = subprocess.run(
@@ -150,3 +146,7 @@ def jvm_summary(recording: Path, top: int = 10) -> str:
     ]
     lines += [f"| `{m}` | {n / len(frames):.1%} |" for m, n in counts.most_common(top)]
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
