@@ -39,6 +39,7 @@ from confluent_kafka import Consumer, Producer
 
 from bench.connectors import plain_consumer
 from bench.nexmark import QUERIES, bids, pipeline, preload
+from bench.profile import children
 from onceflow.connectors.topics import create_topic
 from onceflow.local_kafka import LocalKafka
 
@@ -92,13 +93,11 @@ class Measured:
 
 
 def _tree_rss_mb(pid: int) -> float:
-    total, pending = 0, [pid]
-    while pending:
-        p = pending.pop()
+    total = 0
+    for p in [pid, *children(pid)]:
         try:
             status = Path(f"/proc/{p}/status").read_text()
             total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
-            pending += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
         except (OSError, AttributeError):
             continue
     return total / 1024
