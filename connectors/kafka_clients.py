@@ -31,6 +31,7 @@ log = logging.getLogger("onceflow.kafka")
 
 TP = tuple[str, int]
 REQUEST_TIMEOUT_S = 15
+PREFETCH_MESSAGES = 20_000
 RETRY_BUDGET_S = 60
 
 _lock = threading.Lock()
@@ -122,7 +123,13 @@ def range_consumer(conf: dict[str, str], fail_on_data_loss: bool) -> Consumer:
                 {
                     "fetch.min.bytes": 1,
                     "fetch.wait.max.ms": 50,
-                    "queued.min.messages": 200_000,
+                    # Prefetch about one Arrow batch: what is fetched past a range's end is
+                    # thrown away when the task unassigns the partition.
+                    "queued.min.messages": PREFETCH_MESSAGES,
+                    # librdkafka postpones a partition's next fetch by this much once its queue
+                    # was full, and remembers that across unassign/assign: with the default
+                    # (1 s) one task in three of an epoch waited a second before its first fetch.
+                    "fetch.queue.backoff.ms": 10,
                     **conf,
                     # Never part of a group: offsets come from Spark's offset log.
                     "group.id": f"onceflow-range-reader-{uuid.uuid4()}",

@@ -1,8 +1,8 @@
 """Parsing the data source options shared by the Kafka source and sink.
 
 Option names follow Spark's own Kafka connector (`kafka.bootstrap.servers`, `subscribe`,
-`startingOffsets`, `maxOffsetsPerTrigger`, `failOnDataLoss`, `minPartitions`, `kafka.*`
-pass-through) so that Spark users feel at home.
+`startingOffsets`, `maxOffsetsPerTrigger`, `failOnDataLoss`, `kafka.*` pass-through) so that
+Spark users feel at home; `parallelism` (how many tasks read a batch) is onceflow's own.
 """
 
 from __future__ import annotations

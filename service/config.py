@@ -55,7 +55,7 @@ class SourceConfig:
     schema_file: str | None = None
     max_records_per_batch: int = 100_000
     fail_on_data_loss: bool = True
-    min_partitions: int | None = None
+    parallelism: int | None = None  # tasks that read each batch; None: Spark's cores
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ def _source(s: _Section) -> SourceConfig:
         "schema_file",
         "max_records_per_batch",
         "fail_on_data_loss",
-        "min_partitions",
+        "parallelism",
     )
     topics = s.value("topics", required=True)
     if isinstance(topics, str):
@@ -260,7 +260,7 @@ def _source(s: _Section) -> SourceConfig:
         schema_file=schema_file,
         max_records_per_batch=s.integer("max_records_per_batch", default=100_000, minimum=1),
         fail_on_data_loss=s.boolean("fail_on_data_loss", default=True),
-        min_partitions=s.integer("min_partitions", default=None, minimum=1),
+        parallelism=s.integer("parallelism", default=None, minimum=1),
     )
 
 

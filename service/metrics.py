@@ -168,11 +168,17 @@ class PipelineListener(StreamingQueryListener):
             seen = self.data_loss_seen.get(position, 0)
             m.data_loss.labels(app, topic, partition).inc(offsets - seen)
         self.data_loss_seen = lost
+        durations = progress.durationMs or {}
+        plan_ms = sum(durations.get(k, 0) for k in ("latestOffset", "queryPlanning", "walCommit"))
+        process_ms, commit_ms = durations.get("addBatch", 0), durations.get("commitOffsets", 0)
         log.info(
-            "epoch %d done: %d records in %d ms",
+            "epoch %d done: %d records in %d ms (plan %d, process %d, commit %d)",
             progress.batchId,
             progress.numInputRows,
             progress.batchDuration,
+            plan_ms,
+            process_ms,
+            commit_ms,
             extra={
                 "app": app,
                 "batch_id": progress.batchId,
@@ -181,12 +187,10 @@ class PipelineListener(StreamingQueryListener):
                 "offsets": {s.description: s.endOffset for s in progress.sources},
             },
         )
-        durations = progress.durationMs or {}
         m.epoch_seconds.labels(app).observe(progress.batchDuration / 1000)
-        plan_ms = sum(durations.get(k, 0) for k in ("latestOffset", "queryPlanning", "walCommit"))
         m.phase_seconds.labels(app, "plan").observe(plan_ms / 1000)
-        m.phase_seconds.labels(app, "process").observe(durations.get("addBatch", 0) / 1000)
-        m.phase_seconds.labels(app, "commit").observe(durations.get("commitOffsets", 0) / 1000)
+        m.phase_seconds.labels(app, "process").observe(process_ms / 1000)
+        m.phase_seconds.labels(app, "commit").observe(commit_ms / 1000)
         for source in progress.sources:
             _lag(m, app, source.endOffset, source.latestOffset)
             for topic, partitions in json.loads(source.endOffset or "{}").items():

@@ -46,8 +46,7 @@ class RoutePlan:
     session_gap_ms: int = 0
     avro_schema_json: str | None = None
     json_schema_ddl: str | None = None
-    # Source columns carried through. Windows leave `_headers` out: an Arrow list column
-    # costs the JVM ~20% of a windowed epoch to convert, and aggregates never use it.
+    # Source columns carried through (windows leave `_headers` out, see pipeline.routed_stream).
     meta: tuple[str, ...] = SOURCE_META
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 
 import pytest
 from confluent_kafka import Producer, TopicPartition
@@ -227,10 +228,14 @@ def test_malformed_starting_offsets_fails_naming_the_option(
         drain(df, str(tmp_path / "ck"))
 
 
-def test_min_partitions_splits_ranges_into_more_tasks(spark, kafka_bootstrap, new_topic, tmp_path):
-    topic = new_topic(partitions=1)
-    produce(kafka_bootstrap, topic, ((None, f"v{i}".encode(), 0) for i in range(1000)))
-    df = source_reader(spark, kafka_bootstrap, topic, minPartitions="4")
+def test_parallelism_reads_each_batch_in_that_many_equal_tasks(
+    spark, kafka_bootstrap, new_topic, tmp_path
+):
+    topic = new_topic(partitions=3)
+    produce(kafka_bootstrap, topic, ((None, f"v{i}".encode(), i % 3) for i in range(999)))
+    df = source_reader(spark, kafka_bootstrap, topic, parallelism="2")
     rows, _ = drain(df.selectExpr("*", "spark_partition_id() AS task"), str(tmp_path / "ck"))
-    assert sorted(r.offset for r in rows) == list(range(1000))
-    assert len({r.task for r in rows}) == 4
+    for p in range(3):
+        assert sorted(r.offset for r in rows if r.partition == p) == list(range(333))
+    per_task = Counter(r.task for r in rows)
+    assert sorted(per_task.values()) == [499, 500]

@@ -1,4 +1,4 @@
-"""Pure planning logic of the source: admission control, range splitting, option parsing."""
+"""Pure planning logic of the source: admission control, read tasks, option parsing."""
 
 import itertools
 
@@ -6,7 +6,7 @@ import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from onceflow.connectors.options import OptionError, kafka_conf, parse_starting_offsets
-from onceflow.connectors.source import OffsetRange, _admit, _split
+from onceflow.connectors.source import OffsetRange, _admit, plan_tasks
 
 
 def test_admit_takes_everything_without_a_limit():
@@ -20,13 +20,48 @@ def test_admit_splits_the_limit_by_backlog_and_starves_no_partition():
     assert sum(take.values()) <= 100
 
 
-def test_split_makes_at_least_min_partitions_contiguous_ranges():
-    ranges = _split([OffsetRange("t", 0, 100, 1100), OffsetRange("t", 1, 0, 10)], 6)
-    assert len(ranges) >= 6
-    for p in (0, 1):
-        parts = sorted((r.start, r.end) for r in ranges if r.partition == p)
-        assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
-    assert sum(r.size for r in ranges) == 1010
+def test_without_parallelism_each_partition_is_a_task():
+    ranges = [OffsetRange("t", 0, 0, 10), OffsetRange("t", 1, 5, 5), OffsetRange("t", 2, 3, 4)]
+    tasks = plan_tasks(ranges, None)
+    assert [t.ranges for t in tasks] == [(ranges[0],), (ranges[2],)]  # empty ranges skipped
+
+
+@pytest.mark.parametrize("parallelism", [1, 2, 3, 4, 7, 50, 1343])
+def test_parallelism_cuts_a_batch_into_equal_shares_covering_every_offset(parallelism):
+    ranges = [
+        OffsetRange("t", 0, 100, 1100),
+        OffsetRange("t", 1, 0, 10),
+        OffsetRange("u", 0, 7, 340),
+    ]
+    tasks = plan_tasks(ranges, parallelism)
+
+    assert len(tasks) == parallelism
+    sizes = [sum(r.size for r in t.ranges) for t in tasks]
+    assert max(sizes) - min(sizes) <= 1
+    for topic, partition, start, end in (("t", 0, 100, 1100), ("t", 1, 0, 10), ("u", 0, 7, 340)):
+        pieces = sorted(
+            (r.start, r.end)
+            for t in tasks
+            for r in t.ranges
+            if (r.topic, r.partition) == (topic, partition)
+        )
+        assert pieces[0][0] == start and pieces[-1][1] == end
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))  # no gap, no overlap
+
+
+def test_three_partitions_on_two_cores_make_two_tasks():
+    ranges = [OffsetRange("t", p, 0, 33_333) for p in range(3)]
+    tasks = plan_tasks(ranges, 2)
+    assert [[(r.partition, r.start, r.end) for r in t.ranges] for t in tasks] == [
+        [(0, 0, 33_333), (1, 0, 16_667)],
+        [(1, 16_667, 33_333), (2, 0, 33_333)],
+    ]
+    assert plan_tasks([], 2) == []
+
+
+def test_fewer_offsets_than_parallelism_make_one_task_per_offset():
+    tasks = plan_tasks([OffsetRange("t", 0, 0, 3)], 8)
+    assert [t.ranges for t in tasks] == [(OffsetRange("t", 0, i, i + 1),) for i in range(3)]
 
 
 def test_starting_offsets_json_is_parsed_like_spark():
