@@ -127,24 +127,48 @@ def summary(stacks: Path, totals: dict, pipeline: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+JVM_ACTIVITIES = [  # (activity, a frame on the stack that marks it), first match wins
+    ("JSON parsing (from_json)", "JacksonParser"),
+    ("Arrow: JVM rows -> Python", "ArrowWriter"),
+    ("Arrow: JVM rows -> Python", "ArrowFieldWriter"),
+    ("Arrow: Python -> JVM rows", "ArrowColumnVector"),
+    ("Arrow: Python -> JVM rows", "ArrowStreamReader"),
+    ("state store (RocksDB)", "StateStore"),
+    ("class loading, code generation", "ClassLoader"),
+    ("class loading, code generation", "janino"),
+    ("generated query code (projections, aggregation)", "GeneratedClass"),
+    ("Python runner I/O", "PythonRunner"),
+]
+
+
 def jvm_summary(recording: Path, top: int = 10) -> str:
-    """The JVM's hottest methods: the top frame of each flight-recorder execution sample."""
+    """The JVM's samples by activity (any frame on the stack) and its hottest methods (top
+    frame) from the flight recorder's execution samples."""
     printed = subprocess.run(
-        ["jfr", "print", "--events", "jdk.ExecutionSample", "--stack-depth", "1", str(recording)],
+        ["jfr", "print", "--events", "jdk.ExecutionSample", "--stack-depth", "64", str(recording)],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    frames = re.findall(r"stackTrace = \[\s*\n\s*(\S+?)\(", printed)
-    counts = collections.Counter(frames)
+    stacks = [
+        re.findall(r"^\s+([\w.$<>]+)\(", event, re.MULTILINE)
+        for event in printed.split("jdk.ExecutionSample")[1:]
+    ]
+    stacks = [s for s in stacks if s]
+    activities = collections.Counter(
+        next((a for a, mark in JVM_ACTIVITIES for f in s if mark in f), "other") for s in stacks
+    )
+    methods = collections.Counter(s[0] for s in stacks)
     lines = [
         "",
-        f"Hottest JVM methods ({len(frames)} flight-recorder samples, all threads):",
+        f"JVM flight-recorder samples ({len(stacks)}, all threads) by activity on the stack:",
         "",
-        "| method | share |",
+        "| activity | share |",
         "|---|---|",
     ]
-    lines += [f"| `{m}` | {n / len(frames):.1%} |" for m, n in counts.most_common(top)]
+    lines += [f"| {a} | {n / len(stacks):.0%} |" for a, n in activities.most_common()]
+    lines += ["", "Hottest JVM methods (top frame):", "", "| method | share |", "|---|---|"]
+    lines += [f"| `{m}` | {n / len(stacks):.1%} |" for m, n in methods.most_common(top)]
     return "\n".join(lines) + "\n"
 
 
