@@ -2,8 +2,8 @@
 
 Runs on one machine, in one run, against the broker at KAFKA_BOOTSTRAP_SERVERS (default:
 onceflow's local broker, started if needed):
-- source: rows/s of `onceflow-kafka` -> noop (Trigger.AvailableNow, local[2]) and of a plain
-  read_committed confluent-kafka consumer, on the same preloaded topic;
+- source: rows/s of `onceflow-kafka` -> noop (Trigger.AvailableNow, local[2], parallelism 2)
+  and of a plain read_committed confluent-kafka consumer, on the same preloaded topic;
 - commit path: records/s and MB/s of the sink's phase 2 (one Kafka transaction with marker)
   and of a plain transactional producer, on the same records.
 Writes bench/results/connectors.json and connectors.md.
@@ -77,6 +77,7 @@ def source_to_noop(bootstrap: str, topic: str, records: int, tmp: Path) -> float
         .option("kafka.bootstrap.servers", bootstrap)
         .option("subscribe", topic)
         .option("startingOffsets", "earliest")
+        .option("parallelism", "2")  # as an onceflow pipeline on local[2] reads
         .load()
     )
     t0 = time.perf_counter()
@@ -171,8 +172,8 @@ def main() -> None:
             "|---|---|---|---|",
             f"| plain confluent-kafka consumer (read_committed) | {consumer_rate:,.0f} | "
             f"{consumer_rate * record_mb:.1f} | 1.00 |",
-            f"| onceflow-kafka source -> noop (local[2], AvailableNow, incl. planning) | "
-            f"{source_rate:,.0f} | {source_rate * record_mb:.1f} | "
+            "| onceflow-kafka source -> noop (local[2], parallelism 2, AvailableNow, "
+            f"incl. planning) | {source_rate:,.0f} | {source_rate * record_mb:.1f} | "
             f"{source_rate / consumer_rate:.2f} |",
             f"| plain transactional producer (one transaction) | {producer_rate:,.0f} | "
             f"{producer_rate * record_mb:.1f} | 1.00 |",
