@@ -102,10 +102,21 @@ def _serve_metrics(config: PipelineConfig, metrics: PipelineMetrics, listener: P
 
 
 def _stop_after_current_epoch(query) -> None:
-    """Let a running epoch commit, then stop before the next one starts."""
+    """Let the running epoch commit, then stop.
+
+    Waiting for an idle trigger is not enough: with a backlog the next epoch starts at once,
+    and the service went on for 15 more epochs after SIGTERM (fault run, 2026-11-22). So wait
+    for the running epoch's progress; an epoch that began meanwhile is interrupted by the stop
+    and replayed from the offset log on restart, as after any stop.
+    """
     log.info("stop requested: finishing the current epoch")
+    last = query.lastProgress
+    done = last.batchId if last else -1
     deadline = time.monotonic() + GRACEFUL_STOP_TIMEOUT_S
     while query.status.get("isTriggerActive") and time.monotonic() < deadline:
+        last = query.lastProgress
+        if last and last.batchId > done:
+            break
         time.sleep(0.05)
     query.stop()
 
