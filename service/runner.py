@@ -107,18 +107,22 @@ def _stop_after_current_epoch(query) -> None:
     Waiting for an idle trigger is not enough: with a backlog the next epoch starts at once,
     and the service went on for 15 more epochs after SIGTERM (fault run, 2026-11-22). So wait
     for the running epoch's progress; an epoch that began meanwhile is interrupted by the stop
-    and replayed from the offset log on restart, as after any stop.
+    and replayed from the offset log on restart, as after any stop. The epoch is named by
+    number: the "epoch N done" lines come from the listener, asynchronously, and may be
+    logged after this one although the epoch finished before.
     """
-    log.info("stop requested: finishing the current epoch")
     last = query.lastProgress
     done = last.batchId if last else -1
+    log.info("stop requested: finishing epoch %d", done + 1)
     deadline = time.monotonic() + GRACEFUL_STOP_TIMEOUT_S
     while query.status.get("isTriggerActive") and time.monotonic() < deadline:
         last = query.lastProgress
         if last and last.batchId > done:
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
     query.stop()
+    last = query.lastProgress
+    log.info("stopped after epoch %d", last.batchId if last else -1)
 
 
 def claim_checkpoint(config: PipelineConfig) -> None:
