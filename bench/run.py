@@ -120,18 +120,21 @@ class Bench:
 
     def record(self, system: str, query: str, *runs: tuple[dict, Measured]) -> dict:
         """One row per system and query; of several runs, the median one (by records/s)."""
-        by_rate = sorted(runs, key=lambda run: run[0]["records"] / run[0]["seconds"])
-        result, _ = by_rate[len(by_rate) // 2]
+        rates = sorted(
+            ((result["records"] / result["seconds"], result) for result, _ in runs),
+            key=lambda pair: pair[0],
+        )
+        rate, result = rates[len(rates) // 2]
         row = {
             "system": system,
             "query": query,
             "records": result["records"],
             "seconds": round(result["seconds"], 2),
-            "records_per_s": round(result["records"] / result["seconds"]),
+            "records_per_s": round(rate),
             "peak_rss_mb": round(max(run.peak_rss_mb for _, run in runs)),
         }
         if len(runs) > 1:
-            row["runs_records_per_s"] = [round(r["records"] / r["seconds"]) for r, _ in by_rate]
+            row["runs_records_per_s"] = [round(r) for r, _ in rates]
         print(
             f"  {system:28s} {query:4s} {row['records_per_s']:>9,} records/s  "
             f"peak RSS {row['peak_rss_mb']:,} MB",
