@@ -253,12 +253,18 @@ def test_sigterm_finishes_the_epoch_and_exits_0(app):
     # The epoch running at SIGTERM commits (unless SIGTERM fell between two epochs); no later
     # epoch does, though a backlog remains. Epochs are compared by number: the listener's
     # "epoch N done" lines are logged asynchronously, possibly after the stop request.
-    running = int(re.search(r"stop requested: finishing epoch (\d+)", log).group(1))
-    last = int(re.search(r"stopped after epoch (-?\d+)", log).group(1))
+    running = _logged_epoch(r"stop requested: finishing epoch (\d+)", log, service)
+    last = _logged_epoch(r"stopped after epoch (-?\d+)", log, service)
     assert last in (running - 1, running), service.tail()
     assert max(int(n) for n in re.findall(r"epoch (\d+) done", log)) == last, service.tail()
     app.drain(pipeline)
     app.check_pass_through()
+
+
+def _logged_epoch(pattern: str, log: str, service) -> int:
+    match = re.search(pattern, log)
+    assert match, f"no line matching {pattern!r} in the service's log:\n{service.tail()}"
+    return int(match.group(1))
 
 
 def test_two_instances_at_once_one_is_fenced(app):
