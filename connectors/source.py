@@ -38,7 +38,8 @@ log = logging.getLogger("onceflow.source")
 
 Offsets = dict[str, dict[str, int]]
 EARLIEST, LATEST = -2, -1  # as in Spark's startingOffsets JSON
-ARROW_BATCH_ROWS = 20_000
+# One Arrow batch per librdkafka prefetch queue's worth of messages.
+ARROW_BATCH_ROWS = kafka_clients.PREFETCH_MESSAGES
 READ_STALL_TIMEOUT_S = 120.0
 
 
