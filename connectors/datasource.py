@@ -5,8 +5,9 @@ from __future__ import annotations
 from pyspark.sql.datasource import DataSource
 from pyspark.sql.types import StructType
 
-from onceflow.connectors.sink import KafkaStreamWriter
-from onceflow.connectors.source import SOURCE_SCHEMA, KafkaStreamReader
+from .records import SOURCE_SCHEMA
+from .sink import KafkaStreamWriter
+from .source import KafkaStreamReader
 
 
 class KafkaDataSource(DataSource):

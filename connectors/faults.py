@@ -1,10 +1,12 @@
 """Named fault points, so that fault tests can crash the service at exact protocol steps.
 
 `ONCEFLOW_FAULT=<point>` or `<point>@<batch id>` kills the whole service with SIGKILL when
-that point is reached (in that batch), as `kill -9` would. Unset (always, in production) a
-point costs one environment lookup. The service records its process group in
-ONCEFLOW_SERVICE_PGID at start; Spark's Python workers run in a process group of their own,
-so both groups are killed.
+that point is reached (in that batch), as `kill -9` would. Two points make the Kafka
+commit fail instead, once per process, as a broker can: `commit_abortable` (refused before
+it commits) and `commit_outcome_unknown` (committed, then reported as timed out). Unset
+(always, in production) a point costs one environment lookup. The service records its
+process group in ONCEFLOW_SERVICE_PGID at start; Spark's Python workers run in a process
+group of their own, so both groups are killed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ POINTS = (
 # Stateless pipelines have no state store to interrupt.
 STATELESS_POINTS = POINTS[:-1]
 STATE_STORE_POINT = "during_state_store_commit"
+COMMIT_FAILURES = ("commit_abortable", "commit_outcome_unknown")
+_failed_commits: set[str] = set()
 
 
 def point(name: str, batch_id: int | None = None) -> None:
@@ -37,6 +41,23 @@ def point(name: str, batch_id: int | None = None) -> None:
     if wanted_batch and str(_current_batch() if batch_id is None else batch_id) != wanted_batch:
         return
     _kill_service()
+
+
+def commit_failure(name: str, batch_id: int) -> None:
+    """Raise the librdkafka error of commit failure `name` if armed for this batch."""
+    wanted = os.environ.get("ONCEFLOW_FAULT", "")
+    if wanted != f"{name}@{batch_id}" or wanted in _failed_commits:
+        return
+    _failed_commits.add(wanted)
+    from confluent_kafka import KafkaError, KafkaException
+
+    if name == "commit_abortable":
+        error = KafkaError(
+            KafkaError._STATE, "fault point: commit refused", txn_requires_abort=True
+        )
+    else:
+        error = KafkaError(KafkaError._TIMED_OUT, "fault point: commit timed out", retriable=True)
+    raise KafkaException(error)
 
 
 def _kill_service() -> None:

@@ -89,14 +89,17 @@ def metadata(conf: dict[str, str]):
 
 
 @kafka_retry
-def _list_offsets(conf: dict[str, str], tps: Iterable[TP], spec: OffsetSpec) -> dict[TP, int]:
+def _list_offsets(
+    conf: dict[str, str],
+    tps: Iterable[TP],
+    spec: OffsetSpec,
+    isolation: IsolationLevel = IsolationLevel.READ_COMMITTED,
+) -> dict[TP, int]:
     request = {TopicPartition(t, p): spec for t, p in tps}
     if not request:
         return {}
     futures = admin(conf).list_offsets(
-        request,
-        isolation_level=IsolationLevel.READ_COMMITTED,
-        request_timeout=REQUEST_TIMEOUT_S,
+        request, isolation_level=isolation, request_timeout=REQUEST_TIMEOUT_S
     )
     return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
 
@@ -114,9 +117,18 @@ def stable_ends(conf: dict[str, str], tps: Iterable[TP]) -> dict[TP, int]:
     return _list_offsets(conf, tps, OffsetSpec.latest())
 
 
-def range_consumer(conf: dict[str, str], fail_on_data_loss: bool) -> Consumer:
-    """A read_committed consumer for assigned offset ranges, reused across tasks."""
-    key = _key(conf, fail_on_data_loss)
+def high_watermarks(conf: dict[str, str], tps: Iterable[TP]) -> dict[TP, int]:
+    """The end of each partition's log, open transactions included."""
+    return _list_offsets(conf, tps, OffsetSpec.latest(), IsolationLevel.READ_UNCOMMITTED)
+
+
+def range_consumer(conf: dict[str, str]) -> Consumer:
+    """A read_committed consumer for assigned offset ranges, reused across tasks.
+
+    Offsets that are gone raise an error (auto.offset.reset=error) instead of moving the
+    consumer elsewhere: the source decides what a gone offset means (see source.read_range).
+    """
+    key = _key(conf, "range")
     with _lock:
         if key not in _consumers:
             _consumers[key] = Consumer(
@@ -137,7 +149,7 @@ def range_consumer(conf: dict[str, str], fail_on_data_loss: bool) -> Consumer:
                     "enable.auto.commit": False,
                     "enable.auto.offset.store": False,
                     "enable.partition.eof": True,
-                    "auto.offset.reset": "error" if fail_on_data_loss else "earliest",
+                    "auto.offset.reset": "error",
                 }
             )
         return _consumers[key]

@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from .errors import OptionError
+
 # librdkafka settings the connectors own; a user value would break exactly-once.
 RESERVED_CONSUMER_KEYS = {"isolation.level", "enable.auto.commit", "group.id"}
 RESERVED_PRODUCER_KEYS = {"transactional.id", "enable.idempotence"}
-
-
-class OptionError(ValueError):
-    """A data source option is missing or malformed; the message names the option."""
 
 
 def kafka_conf(options: Mapping[str, str], reserved: set[str]) -> dict[str, str]:

@@ -1,12 +1,21 @@
-"""Phase 2 of the sink: publish one epoch's output and its commit marker in ONE transaction.
+"""Phase 2 of the sink: publish one epoch's output and its commit marker, exactly once.
 
-Runs on the driver (the coordinator), only after every task of the epoch succeeded. A stable
-`transactional.id` per (app, sink) makes `init_transactions` fence any zombie and resolve any
-transaction a crashed predecessor left open; the marker makes a replayed epoch a no-op.
+Runs on the driver (the coordinator), only after every task of the epoch succeeded. The
+marker (`markers.py`) records the last epoch a sink published; it is what makes a replayed
+epoch a no-op and what settles a commit whose outcome is unknown. Two publishers share
+everything but the produce-and-commit step:
+
+- `TransactionalPublisher` (exactly-once): results, side records and the marker in ONE Kafka
+  transaction with a stable `transactional.id` per (app, sink), so the marker is visible to a
+  `read_committed` reader if and only if the output is.
+- `AtLeastOncePublisher`: the same epochs and marker without a transaction; the marker is
+  produced only once every record of the epoch is acknowledged, so a crash may repeat an
+  epoch's records but never loses them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -15,21 +24,31 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from onceflow.connectors import faults
-from onceflow.connectors.markers import Marker, ensure_marker_topic, last_marker
+from . import faults
+from .errors import (
+    CheckpointMismatchError,
+    FencedError,
+    OnceflowError,
+    TransactionTimedOutError,
+)
+from .markers import Marker, ensure_marker_topic, last_marker
 
 log = logging.getLogger("onceflow.sink")
 
-TRANSACTION_TIMEOUT_S = 60.0
+DEFAULT_TRANSACTION_TIMEOUT_S = 60.0
 MAX_EPOCH_ATTEMPTS = 3
+Record = tuple  # (topic, partition | None, key, value, headers | None)
 
 
-class FencedError(RuntimeError):
-    """Another instance with the same transactional id took over; this one must stop."""
+@dataclass(frozen=True)
+class Epoch:
+    """One micro-batch as the sink publishes it."""
 
-
-class CheckpointMismatchError(RuntimeError):
-    """The sink's markers belong to a different checkpoint than the running query's."""
+    batch_id: int
+    query_id: str  # names the checkpoint (Spark's query id)
+    source_offsets: list  # the end offsets Spark wrote ahead for this batch, per source
+    records: Iterable[Record]  # re-iterable: an aborted attempt produces them again
+    plan: str = ""  # the fingerprint of the batch's plan (its start and end offset logs)
 
 
 @dataclass
@@ -42,8 +61,9 @@ class PublisherStats:
     commit_seconds: list[float] = field(default_factory=list)
 
 
-class TransactionalPublisher:
-    """One transactional producer for one (app, sink), kept for the life of the process."""
+class EpochPublisher:
+    """What both guarantees share: the producer's settings, the marker and the replay check,
+    and the loop that produces an epoch's records."""
 
     def __init__(
         self,
@@ -51,109 +71,131 @@ class TransactionalPublisher:
         transactional_id: str,
         marker_topic: str,
         dead_letter_topic: str | None = None,
+        transaction_timeout_s: float = DEFAULT_TRANSACTION_TIMEOUT_S,
     ) -> None:
         self.conf = conf
-        self.transactional_id = transactional_id
+        self.transactional_id = transactional_id  # also the marker's key: the sink's name
         self.marker_topic = marker_topic
         self.dead_letter_topic = dead_letter_topic
+        self.timeout_s = transaction_timeout_s
         self.producer: Producer | None = None
         self.last: Marker | None = None
         self.stats = PublisherStats()
 
+    def publish(
+        self, batch_id: int, query_id: str, records: Iterable[Record], source_offsets: list
+    ):
+        """Publish epoch `batch_id` unless it is already published; True if published now."""
+        return self.publish_epoch(Epoch(batch_id, query_id, source_offsets, records))
+
+    def publish_epoch(self, epoch: Epoch) -> bool:
+        raise NotImplementedError
+
+    # -- the producer and the marker ---------------------------------------------------------
+
+    def producer_config(self) -> dict:
+        return {
+            "linger.ms": 5,
+            "batch.size": 1_000_000,
+            "queue.buffering.max.messages": 1_000_000,
+            "queue.buffering.max.kbytes": 1_048_576,
+            **self.conf,
+            "enable.idempotence": True,
+        }
+
     def _start(self) -> Producer:
-        """init_transactions first (fences zombies, ends their open transaction), then read
-        the last marker: only then do we know what is already published."""
+        """A producer, then the last marker read after it started (see the subclasses)."""
         if self.producer is None:
             ensure_marker_topic(self.conf, self.marker_topic)
-            producer = Producer(
-                {
-                    "linger.ms": 5,
-                    "batch.size": 1_000_000,
-                    "queue.buffering.max.messages": 1_000_000,
-                    "queue.buffering.max.kbytes": 1_048_576,
-                    **self.conf,
-                    "transactional.id": self.transactional_id,
-                    "transaction.timeout.ms": int(TRANSACTION_TIMEOUT_S * 1000),
-                }
+            producer = Producer(self.producer_config())
+            self._init(producer)
+            self.last = last_marker(
+                self.conf, self.marker_topic, self.transactional_id, 2 * self.timeout_s
             )
-            try:
-                producer.init_transactions(TRANSACTION_TIMEOUT_S)
-            except KafkaException as exc:
-                raise self._explain(exc) from exc
-            self.last = last_marker(self.conf, self.marker_topic, self.transactional_id)
             self.stats.last_committed_batch = self.last.batch_id if self.last else -1
             self.producer = producer
             log.info(
-                "transactional producer %s ready; last committed batch %s",
+                "%s producer %s ready; last published batch %s",
+                type(self).__name__,
                 self.transactional_id,
                 self.stats.last_committed_batch,
             )
         return self.producer
 
-    def publish(
-        self,
-        batch_id: int,
-        query_id: str,
-        records: Iterable[tuple],
-        source_offsets: list,
-    ) -> bool:
-        """Publish epoch `batch_id` unless it is already published; True if published now.
+    def _init(self, producer: Producer) -> None:
+        """Hook for the transactional publisher's init_transactions."""
 
-        `records` are (topic, partition|None, key, value, headers) tuples, re-iterable.
+    def _drop_producer(self) -> None:
+        """Forget the producer and the marker: the next attempt starts from Step 1."""
+        if self.producer is not None:
+            with contextlib.suppress(Exception):
+                self.producer.purge()
+        self.producer = None
+        self.last = None
+
+    def already_published(self, epoch: Epoch) -> bool:
+        """Steps 2 and 3 of publishing: is `epoch` of this checkpoint, and already out?
+
+        Spark replays only its last uncommitted batch, which is the marker's batch or a later
+        one. So a batch is skipped only when it IS the marker's batch: same checkpoint (query
+        id), same source offsets and plan. A batch below the marker, or the marker's batch
+        planned anew, means the checkpoint was restored from an older copy: skipping would
+        lose what its batches now hold (windows close at other watermarks), publishing would
+        double what was published. Empty epochs are checked too (see `check_replay`).
         """
-        self._start()
-        if self.last is not None:
-            if self.last.query_id != query_id:
-                raise CheckpointMismatchError(
-                    f"sink {self.transactional_id!r} last committed batch {self.last.batch_id} "
-                    f"for the checkpoint with query id {self.last.query_id}, but this query's "
-                    f"checkpoint has id {query_id}: the checkpoint was deleted or belongs to "
-                    "another app. Refusing to run, or output would be dropped or doubled. "
-                    "Restore the checkpoint, or start over on purpose with a new app id / sink "
-                    f"name (or delete the marker key {self.transactional_id!r} in "
-                    f"{self.marker_topic!r})."
-                )
-            if batch_id <= self.last.batch_id:
-                self.stats.replays_skipped += 1
-                log.info("batch %d is already published; replay skipped", batch_id)
-                return False
-        marker = Marker(self.transactional_id, batch_id, query_id, 0, source_offsets)
-        for attempt in range(1, MAX_EPOCH_ATTEMPTS + 1):
-            try:
-                marker = self._publish_once(marker, records)
-                break
-            except KafkaException as exc:
-                error: KafkaError = exc.args[0]
-                if _is_fenced(error) or error.fatal() or not error.txn_requires_abort():
-                    self._close()
-                    raise self._explain(exc) from exc
-                log.warning("epoch %d: %s; aborting and publishing it again", batch_id, error)
-                self._abort()
-                if attempt == MAX_EPOCH_ATTEMPTS:
-                    raise
-            except Exception:
-                self._abort()  # e.g. a record that cannot be produced: leave nothing open
-                raise
-        self.last = marker
-        self.stats.last_committed_batch = batch_id
+        last = self.last
+        if last is None:
+            return False
+        if last.query_id != epoch.query_id:
+            raise CheckpointMismatchError(
+                f"sink {self.transactional_id!r} last committed batch {last.batch_id} for the "
+                f"checkpoint with query id {last.query_id}, but this query's checkpoint has id "
+                f"{epoch.query_id}: the checkpoint was deleted or belongs to another app. "
+                "Refusing to run, or output would be dropped or doubled. Restore the "
+                "checkpoint, or start over on purpose with a new app id / sink name (or "
+                f"delete the marker key {self.transactional_id!r} in {self.marker_topic!r})."
+            )
+        if epoch.batch_id > last.batch_id:
+            return False
+        if epoch.batch_id < last.batch_id:
+            self._restored_checkpoint(
+                epoch,
+                f"is below batch {last.batch_id}, the last one sink "
+                f"{self.transactional_id!r} published from this checkpoint (offsets "
+                f"{last.source_offsets})",
+            )
+        same_plan = not last.plan or not epoch.plan or last.plan == epoch.plan
+        if epoch.source_offsets != last.source_offsets or not same_plan:
+            self._restored_checkpoint(
+                epoch,
+                f"differs from the plan of batch {last.batch_id} that sink "
+                f"{self.transactional_id!r} published (offsets {last.source_offsets})",
+            )
+        self.stats.replays_skipped += 1
+        log.info("batch %d is already published; replay skipped", epoch.batch_id)
         return True
 
-    def _publish_once(self, marker: Marker, records: Iterable[tuple]) -> Marker:
-        producer = self.producer
-        assert producer is not None
-        t0 = time.monotonic()
-        producer.begin_transaction()
-        marker = self._produce_epoch(producer, marker, records)
-        faults.point("before_kafka_commit", marker.batch_id)
-        self._commit(producer)
-        faults.point("after_kafka_commit", marker.batch_id)
-        self.stats.transactions_committed += 1
-        self.stats.records_published += marker.records
-        self.stats.commit_seconds.append(time.monotonic() - t0)
-        return marker
+    def check_replay(self, epoch: Epoch) -> None:
+        """Steps 1-3 for an epoch with nothing to publish: a restored older checkpoint is
+        refused even when its re-planned batch happens to be empty."""
+        self._start()
+        self.already_published(epoch)
 
-    def _produce_epoch(self, producer: Producer, marker: Marker, records: Iterable[tuple]):
-        """Produce the epoch's records, then its marker; the marker counts the records."""
+    def _restored_checkpoint(self, epoch: Epoch, what: str) -> None:
+        raise CheckpointMismatchError(
+            f"batch {epoch.batch_id}, planned with source offsets {epoch.source_offsets}, {what}: "
+            "the checkpoint was restored from an older copy (or lost its newest files) and "
+            "re-plans batches that were published, so skipping them could lose records and "
+            "publishing them would double records. Restore the newest copy of the checkpoint; "
+            "or, to continue from what is published, start a new checkpoint whose source starts "
+            f"at the marker's offsets and delete the marker key {self.transactional_id!r} in "
+            f"{self.marker_topic!r}."
+        )
+
+    # -- producing ---------------------------------------------------------------------------
+
+    def _produce_records(self, producer: Producer, records: Iterable[Record]) -> int:
+        """Produce every record of the epoch; returns how many."""
         count = 0
         for topic, partition, key, value, headers in records:
             try:
@@ -163,9 +205,10 @@ class TransactionalPublisher:
                     raise
                 self._oversized(producer, topic, key, value, headers)
             count += 1
-        marker = Marker(marker.sink, marker.batch_id, marker.query_id, count, marker.source_offsets)
+        return count
+
+    def _produce_marker(self, producer: Producer, marker: Marker) -> None:
         _produce(producer, self.marker_topic, None, marker.sink.encode(), marker.encode(), None)
-        return marker
 
     def _oversized(self, producer: Producer, topic: str, key, value, headers) -> None:
         """A record too big to publish becomes a dead letter without its value, never a loop
@@ -181,105 +224,254 @@ class TransactionalPublisher:
         error_header = [("onceflow.error", reason.encode())]
         _produce(producer, self.dead_letter_topic, None, key, None, (headers or []) + error_header)
 
-    @staticmethod
-    def _commit(producer: Producer) -> None:
-        """commit_transaction, retried while librdkafka says the same call may succeed."""
-        deadline = time.monotonic() + TRANSACTION_TIMEOUT_S
-        while True:
-            try:
-                producer.commit_transaction(TRANSACTION_TIMEOUT_S)
-                return
-            except KafkaException as exc:
-                if not exc.args[0].retriable() or time.monotonic() > deadline:
-                    raise
-                log.warning("commit_transaction: %s; retrying", exc.args[0])
-                time.sleep(0.5)
-
     def abort_open_transaction(self) -> None:
         """Called when Spark aborts an epoch: make sure nothing of it stays pending."""
+
+    def _is_fenced(self, error: KafkaError) -> bool:
+        """True if `error`, or the fatal error behind it, says another producer took over.
+
+        A fenced producer answers produce() with _FATAL and other calls with _STATE; the
+        cause (_FENCED) is raised by the producer's next poll.
+        """
+        fenced = (
+            KafkaError._FENCED,
+            KafkaError.PRODUCER_FENCED,
+            KafkaError.INVALID_PRODUCER_EPOCH,
+            KafkaError.TRANSACTION_COORDINATOR_FENCED,
+        )
+        cause = error
+        if self.producer is not None and error.code() in (KafkaError._FATAL, KafkaError._STATE):
+            try:
+                self.producer.poll(0)
+            except KafkaException as exc:
+                cause = exc.args[0]
+        return error.code() in fenced or cause.code() in fenced
+
+
+class TransactionalPublisher(EpochPublisher):
+    """Exactly-once: one transactional producer per (app, sink), kept for the process' life,
+    so init_transactions is paid once, not per epoch."""
+
+    def producer_config(self) -> dict:
+        return {
+            **super().producer_config(),
+            "transactional.id": self.transactional_id,
+            "transaction.timeout.ms": int(self.timeout_s * 1000),
+        }
+
+    def _init(self, producer: Producer) -> None:
+        try:
+            producer.init_transactions(self.timeout_s)
+        except KafkaException as exc:
+            if self._is_fenced(exc.args[0]):
+                raise self._fenced() from exc
+            raise
+
+    def publish_epoch(self, epoch: Epoch) -> bool:
+        """Publish `epoch` exactly once; True if published now, False if it already was.
+
+        Step 1. Start: a producer that called init_transactions (which fences any zombie with
+                our transactional id and settles the transaction it left open), then the
+                last committed marker, read after that. Only now is it known what is out.
+        Step 2. The marker must describe this checkpoint (its query id).
+        Step 3. A batch at or below the marker is a replay: skip it, if its offsets agree.
+        Step 4. In one transaction, produce the results, the side records, then the marker.
+        Step 5. Commit.
+        (The sink then removes the epoch's staged side records.)
+
+        One branch per error kind:
+        - fenced: another instance took over the id (or, when the transaction outlived its
+          timeout, the broker aborted it): stop with FencedError / TransactionTimedOutError;
+        - fatal: the producer is unusable: drop it and fail the epoch;
+        - abortable while producing (Step 4): abort, and produce the epoch again;
+        - any other commit error (abortable, timed out, unknown) is settled, never retried
+          blindly on the same producer: a new producer's init_transactions completes or
+          aborts the transaction, and the marker read after it says whether the epoch is
+          out; if not, it is produced again.
+        """
+        error: KafkaError | None = None
+        for _attempt in range(MAX_EPOCH_ATTEMPTS):
+            # Step 1
+            producer = self._start()
+            # Steps 2 and 3
+            if self.already_published(epoch):
+                return False
+            # Step 4
+            began = time.monotonic()
+            try:
+                producer.begin_transaction()
+                marker = self._produce_epoch(producer, epoch)
+            except KafkaException as exc:
+                error = exc.args[0]
+                # An abortable transaction refuses produce() with _STATE, without the flag.
+                abortable = error.txn_requires_abort() or error.code() == KafkaError._STATE
+                fenced = self._is_fenced(error)
+                if abortable and not fenced:
+                    log.warning(
+                        "epoch %d: %s; aborting and producing it again", epoch.batch_id, error
+                    )
+                    self._abort()
+                    continue
+                raise self._failure(exc, began, epoch, fenced) from exc
+            except Exception:
+                self._abort()  # e.g. a record that cannot be produced: leave nothing open
+                raise
+            # Step 5
+            try:
+                faults.point("before_kafka_commit", epoch.batch_id)
+                self._commit_transaction(producer, epoch.batch_id)
+            except KafkaException as exc:
+                error = exc.args[0]
+                fenced = self._is_fenced(error)  # asks librdkafka once: it raises the cause once
+                if fenced or error.fatal():
+                    raise self._failure(exc, began, epoch, fenced) from exc
+                log.warning(
+                    "epoch %d: commit failed (%s); a new producer settles the transaction and "
+                    "reads the marker",
+                    epoch.batch_id,
+                    error,
+                )
+                if self._settled_by_marker(epoch):
+                    self._committed(marker, began)
+                    return True
+                continue
+            faults.point("after_kafka_commit", epoch.batch_id)
+            self._committed(marker, began)
+            return True
+        raise OnceflowError(
+            f"epoch {epoch.batch_id} could not be published in {MAX_EPOCH_ATTEMPTS} attempts "
+            f"(last error: {error}); the app stops and replays it on restart. Check the "
+            "broker's health."
+        )
+
+    def _produce_epoch(self, producer: Producer, epoch: Epoch) -> Marker:
+        count = self._produce_records(producer, epoch.records)
+        marker = _marker(self.transactional_id, epoch, count)
+        self._produce_marker(producer, marker)
+        return marker
+
+    def _settled_by_marker(self, epoch: Epoch) -> bool:
+        """After a commit of unknown outcome: True if the epoch's marker is committed."""
+        self._drop_producer()
+        self._start()
+        last = self.last
+        return (
+            last is not None
+            and (last.batch_id, last.query_id, last.plan)
+            == (epoch.batch_id, epoch.query_id, epoch.plan)
+            and last.source_offsets == epoch.source_offsets
+        )
+
+    def _commit_transaction(self, producer: Producer, batch_id: int) -> None:
+        faults.commit_failure("commit_abortable", batch_id)
+        producer.commit_transaction(self.timeout_s)
+        faults.commit_failure("commit_outcome_unknown", batch_id)
+
+    def _committed(self, marker: Marker, began: float) -> None:
+        self.last = marker
+        self.stats.transactions_committed += 1
+        self.stats.records_published += marker.records
+        self.stats.last_committed_batch = marker.batch_id
+        self.stats.commit_seconds.append(time.monotonic() - began)
+
+    def _failure(self, exc: KafkaException, began: float, epoch: Epoch, fenced: bool) -> Exception:
+        """The error that ends this publisher: fenced or timed out, or librdkafka's own."""
+        self._drop_producer()
+        open_s = time.monotonic() - began
+        if fenced and open_s >= self.timeout_s:
+            return TransactionTimedOutError(
+                f"epoch {epoch.batch_id}'s transaction was open for {open_s:.0f} s, past its "
+                f"timeout of {self.timeout_s:.0f} s, so the broker aborted it (nothing of it is "
+                "visible). Raise sink.transaction_timeout (the broker allows up to its "
+                "transaction.max.timeout.ms), or lower source.max_records_per_batch; if the "
+                "process was paused, check that no other instance runs the same app."
+            )
+        if fenced:
+            return self._fenced()
+        return exc
+
+    def _fenced(self) -> FencedError:
+        return FencedError(
+            f"this instance was fenced: another instance started with transactional id "
+            f"{self.transactional_id!r} and took over the sink. Stop one of them; two "
+            "instances of one app must not run at once."
+        )
+
+    def abort_open_transaction(self) -> None:
         if self.producer is not None:
             self._abort()
 
     def _abort(self) -> None:
         assert self.producer is not None
         try:
-            self.producer.abort_transaction(TRANSACTION_TIMEOUT_S)
+            self.producer.abort_transaction(self.timeout_s)
             self.stats.transactions_aborted += 1
         except KafkaException as exc:
-            if exc.args[0].code() != KafkaError._STATE:  # no transaction was open
-                self._close()
-                raise
-
-    def _close(self) -> None:
-        """Drop the producer; the next epoch (after Spark's restart) starts a fresh one."""
-        self.producer = None
-        self.last = None
-
-    def _explain(self, exc: KafkaException) -> Exception:
-        error: KafkaError = exc.args[0]
-        if _is_fenced(error):
-            return FencedError(
-                f"this instance was fenced: another instance started with transactional id "
-                f"{self.transactional_id!r} and took over the sink. Stop one of them; two "
-                "instances of one app must not run at once."
-            )
-        return exc
+            error = exc.args[0]
+            fenced = self._is_fenced(error)
+            if error.code() == KafkaError._STATE and not fenced:
+                return  # no transaction was open
+            self._drop_producer()
+            if fenced:
+                raise self._fenced() from exc
+            raise
 
 
-class AtLeastOncePublisher(TransactionalPublisher):
-    """`sink.guarantee: at_least_once`: the same epochs, markers and replay check, without the
-    transaction. A crash between an epoch's records and its marker repeats those records on
-    restart. For outputs that tolerate duplicates, and to measure what exactly-once costs."""
+class AtLeastOncePublisher(EpochPublisher):
+    """`sink.guarantee: at_least_once`: the same epochs, markers and replay check, without a
+    transaction. For outputs that tolerate duplicates, and to measure what exactly-once costs.
+    """
 
-    def _start(self) -> Producer:
-        if self.producer is None:
-            ensure_marker_topic(self.conf, self.marker_topic)
-            self.delivery_errors: list[str] = []
-            self.producer = Producer(
-                {
-                    "linger.ms": 5,
-                    "batch.size": 1_000_000,
-                    "queue.buffering.max.messages": 1_000_000,
-                    "queue.buffering.max.kbytes": 1_048_576,
-                    **self.conf,
-                    "enable.idempotence": True,
-                    "on_delivery": self._delivered,
-                }
-            )
-            self.last = last_marker(self.conf, self.marker_topic, self.transactional_id)
-            self.stats.last_committed_batch = self.last.batch_id if self.last else -1
-        return self.producer
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.delivery_errors: list[str] = []
+
+    def producer_config(self) -> dict:
+        return {**super().producer_config(), "on_delivery": self._delivered}
 
     def _delivered(self, error, message) -> None:
         if error is not None:
             self.delivery_errors.append(f"{message.topic()}[{message.partition()}]: {error}")
 
-    def _publish_once(self, marker: Marker, records: Iterable[tuple]) -> Marker:
-        producer = self.producer
-        assert producer is not None
-        t0 = time.monotonic()
-        marker = self._produce_epoch(producer, marker, records)
-        if producer.flush(TRANSACTION_TIMEOUT_S) or self.delivery_errors:
+    def publish_epoch(self, epoch: Epoch) -> bool:
+        """Publish `epoch` at least once; True if published now, False if it already was.
+
+        Step 1. Start: a producer, then the last marker.
+        Steps 2 and 3. As for exactly-once: this checkpoint's marker, replays skipped.
+        Step 4. Produce every record and wait until each is acknowledged.
+        Step 5. Only then produce the marker, and wait for it. A crash or a failed delivery
+                before Step 5 leaves the marker behind, so the epoch is published again.
+        """
+        producer = self._start()
+        if self.already_published(epoch):
+            return False
+        began = time.monotonic()
+        self.delivery_errors = []
+        count = self._produce_records(producer, epoch.records)
+        self._await_delivery(producer, epoch.batch_id, "records")
+        faults.point("before_kafka_commit", epoch.batch_id)  # records out, marker not
+        marker = _marker(self.transactional_id, epoch, count)
+        self._produce_marker(producer, marker)
+        self._await_delivery(producer, epoch.batch_id, "marker")
+        faults.point("after_kafka_commit", epoch.batch_id)
+        self.last = marker
+        self.stats.records_published += count
+        self.stats.last_committed_batch = epoch.batch_id
+        self.stats.commit_seconds.append(time.monotonic() - began)
+        return True
+
+    def _await_delivery(self, producer: Producer, batch_id: int, what: str) -> None:
+        if producer.flush(self.timeout_s) or self.delivery_errors:
             failed, self.delivery_errors = self.delivery_errors, []
-            raise RuntimeError(
-                f"epoch {marker.batch_id} was not fully delivered ({failed[:3]} ...); Spark "
-                "will run it again (at-least-once)"
+            self._drop_producer()
+            raise OnceflowError(
+                f"epoch {batch_id}: its {what} were not all acknowledged ({failed[:3]} ...); "
+                "its marker is not written, so Spark runs it again (at-least-once)"
             )
-        self.stats.records_published += marker.records
-        self.stats.commit_seconds.append(time.monotonic() - t0)
-        return marker
-
-    def _abort(self) -> None:
-        """Nothing to abort without a transaction: what was delivered stays."""
 
 
-def _is_fenced(error: KafkaError) -> bool:
-    return error.code() in (
-        KafkaError._FENCED,
-        KafkaError.PRODUCER_FENCED,
-        KafkaError.INVALID_PRODUCER_EPOCH,
-        KafkaError.TRANSACTION_COORDINATOR_FENCED,
-    )
+def _marker(sink: str, epoch: Epoch, records: int) -> Marker:
+    return Marker(sink, epoch.batch_id, epoch.query_id, records, epoch.source_offsets, epoch.plan)
 
 
 def _produce(producer: Producer, topic, partition, key, value, headers) -> None:
@@ -294,7 +486,7 @@ def _produce(producer: Producer, topic, partition, key, value, headers) -> None:
             producer.poll(0.05)  # the local queue is full: let deliveries drain
 
 
-_publishers: dict[tuple, TransactionalPublisher] = {}
+_publishers: dict[tuple, EpochPublisher] = {}
 _lock = threading.Lock()
 
 
@@ -304,11 +496,21 @@ def publisher_for(
     marker_topic: str,
     dead_letter_topic: str | None = None,
     exactly_once: bool = True,
-) -> TransactionalPublisher:
-    """The process-wide publisher of a sink: init_transactions is paid once, not per epoch."""
-    key = (transactional_id, marker_topic, dead_letter_topic, exactly_once, *sorted(conf.items()))
+    transaction_timeout_s: float = DEFAULT_TRANSACTION_TIMEOUT_S,
+) -> EpochPublisher:
+    """The process-wide publisher of a sink: its producer lives across epochs."""
     kind = TransactionalPublisher if exactly_once else AtLeastOncePublisher
+    key = (
+        kind,
+        transactional_id,
+        marker_topic,
+        dead_letter_topic,
+        transaction_timeout_s,
+        *sorted(conf.items()),
+    )
     with _lock:
         if key not in _publishers:
-            _publishers[key] = kind(conf, transactional_id, marker_topic, dead_letter_topic)
+            _publishers[key] = kind(
+                conf, transactional_id, marker_topic, dead_letter_topic, transaction_timeout_s
+            )
         return _publishers[key]

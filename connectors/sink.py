@@ -9,12 +9,10 @@ one Kafka transaction (see publisher.py). Input columns follow Spark's Kafka sin
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import (
@@ -25,11 +23,12 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from onceflow.connectors import faults, sink_stats, staging
-from onceflow.connectors.markers import DEFAULT_MARKER_TOPIC
-from onceflow.connectors.options import RESERVED_PRODUCER_KEYS, OptionError, kafka_conf
-from onceflow.connectors.publisher import publisher_for
-from onceflow.connectors.source import headers_type
+from . import faults, sink_stats, staging
+from .checkpoint import CheckpointDir
+from .markers import DEFAULT_MARKER_TOPIC
+from .options import RESERVED_PRODUCER_KEYS, OptionError, get_positive_int, kafka_conf
+from .publisher import DEFAULT_TRANSACTION_TIMEOUT_S, Epoch, publisher_for
+from .records import LATE_REASON, OUTPUT_COLUMNS, headers_type
 
 log = logging.getLogger("onceflow.sink")
 
@@ -40,14 +39,13 @@ COLUMN_TYPES = {
     "partition": (IntegerType,),
     "headers": (ArrayType,),
 }
-PREPARED_COLUMNS = ("topic", "partition", "key", "value", "headers")
 
 
 @dataclass
 class PreparedRecords(WriterCommitMessage):
     """Phase 1's output: a task's records, encoded, as one Arrow table (None when empty)."""
 
-    table: object  # pyarrow.Table with PREPARED_COLUMNS
+    table: object  # pyarrow.Table with OUTPUT_COLUMNS
     rows: int
 
 
@@ -79,7 +77,11 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
                 "the onceflow-kafka sink needs option 'checkpointLocation': commit markers "
                 "are tied to the checkpoint's identity"
             )
-        self.checkpoint = Path(checkpoint.removeprefix("file:"))
+        self.checkpoint = CheckpointDir(checkpoint)
+        timeout_ms = get_positive_int(options, "transactionTimeoutMs")
+        self.transaction_timeout_s = (
+            timeout_ms / 1000 if timeout_ms else DEFAULT_TRANSACTION_TIMEOUT_S
+        )
         _check_schema(schema, has_default_topic=bool(self.default_topic))
 
     # -- phase 1: executors ----------------------------------------------------------------
@@ -97,15 +99,19 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
     # -- phase 2: the driver ---------------------------------------------------------------
 
     def commit(self, messages: list, batchId: int) -> None:
-        publisher = self._publisher()
+        """Publish the epoch (see the publisher's numbered steps), then forget its staging."""
+        plan = self.checkpoint.batch_plan(batchId)
         tables = [m.table for m in messages if m is not None and m.table is not None]
-        tables += staging.staged_tables(self.checkpoint, batchId)
-        if any(t.num_rows for t in tables):  # an empty epoch needs no transaction
-            records = _Records(tables)
-            offsets = self._source_offsets(batchId)
-            if publisher.publish(batchId, self._query_id(), records, offsets):
-                sink_stats.records_published.update(records.counts)
-            sink_stats.write(self.checkpoint, publisher.stats)
+        tables += staging.staged_tables(self.checkpoint, plan)
+        records = _Records(tables)
+        query_id = self.checkpoint.query_id()
+        epoch = Epoch(batchId, query_id, plan.source_offsets, records, plan.fingerprint)
+        publisher = self._publisher()
+        if not any(t.num_rows for t in tables):
+            publisher.check_replay(epoch)  # an empty epoch needs no transaction
+        elif publisher.publish_epoch(epoch):
+            sink_stats.records_published.update(records.counts)
+        sink_stats.write(self.checkpoint, publisher.stats)
         staging.clean_up_to(self.checkpoint, batchId)
 
     def abort(self, messages: list, batchId: int) -> None:
@@ -118,25 +124,8 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
             self.marker_topic,
             self.dead_letter_topic,
             self.exactly_once,
+            self.transaction_timeout_s,
         )
-
-    def _query_id(self) -> str:
-        """The id Spark stores in the checkpoint: it names the checkpoint, across restarts."""
-        try:
-            return json.loads((self.checkpoint / "metadata").read_text())["id"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise OptionError(
-                f"cannot read the query id from {self.checkpoint / 'metadata'} ({exc}); the "
-                "onceflow-kafka sink needs a checkpoint on a file system this host can read"
-            ) from None
-
-    def _source_offsets(self, batch_id: int) -> list:
-        """The epoch's barrier: the source offsets Spark wrote ahead for this batch."""
-        try:
-            lines = (self.checkpoint / "offsets" / str(batch_id)).read_text().splitlines()
-        except OSError:
-            return []
-        return [json.loads(line) if line.startswith("{") else line for line in lines[2:]]
 
 
 class ForeachBatchSink:
@@ -175,7 +164,7 @@ class _Records:
         self.counts = Counter()
         seen: set[str] = set()
         for table in self.tables:
-            columns = [table.column(c).to_pylist() for c in PREPARED_COLUMNS]
+            columns = [table.column(c).to_pylist() for c in OUTPUT_COLUMNS]
             if "source" not in table.column_names:
                 self.counts["result"] += table.num_rows
                 for topic, partition, key, value, headers in zip(*columns, strict=True):
@@ -188,7 +177,7 @@ class _Records:
                     continue
                 seen.add(source)
                 topic, partition, key, value, headers = record
-                kind = "late" if reason == "late" else "dead_letter"
+                kind = "late" if reason == LATE_REASON else "dead_letter"
                 if topic is None:
                     self.counts[f"dropped_{kind}"] += 1
                     log.warning("no topic configured for %s record at %s: %s", kind, source, reason)
@@ -218,7 +207,7 @@ def _check_schema(schema: StructType, has_default_topic: bool) -> None:
 
 
 def _prepare(batch, default_topic: str | None, pa):
-    """Normalize a task's Arrow batch to PREPARED_COLUMNS, with a topic on every row."""
+    """Normalize a task's Arrow batch to OUTPUT_COLUMNS, with a topic on every row."""
     import pyarrow.compute as pc
 
     n = batch.num_rows

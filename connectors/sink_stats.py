@@ -1,26 +1,24 @@
 """The sink's counters, handed from the process that commits epochs to the metrics endpoint.
 
 Spark runs the sink's phase 2 in a Python process of its own, so the counters travel in a
-small JSON file next to the checkpoint, replaced atomically after every epoch. Counters are
+small JSON file in the checkpoint, replaced atomically after every epoch. Counters are
 cumulative per sink process; `pid` tells the reader when a new process started from zero.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import Counter
-from pathlib import Path
 
-STATS_FILE = "onceflow-sink-stats.json"
+from .checkpoint import CheckpointDir
+
 log = logging.getLogger("onceflow.sink")
 
 records_published: Counter[str] = Counter()  # by kind, in this process
 
 
-def write(checkpoint: str | Path, publisher_stats) -> None:
-    path = Path(str(checkpoint).removeprefix("file:")) / STATS_FILE
+def write(checkpoint: CheckpointDir, publisher_stats) -> None:
     stats = {
         "pid": os.getpid(),
         "transactions_committed": publisher_stats.transactions_committed,
@@ -30,17 +28,7 @@ def write(checkpoint: str | Path, publisher_stats) -> None:
         "last_commit_seconds": (publisher_stats.commit_seconds or [0.0])[-1],
         "records": dict(records_published),
     }
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(stats))
-        os.replace(tmp, path)
+        checkpoint.write_sink_stats(stats)
     except OSError as exc:  # metrics must never fail an epoch that Kafka already committed
-        log.warning("could not write sink stats to %s: %s", path, exc)
-
-
-def read(checkpoint: str | Path) -> dict:
-    path = Path(str(checkpoint).removeprefix("file:")) / STATS_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+        log.warning("could not write sink stats to %s: %s", checkpoint.path, exc)

@@ -23,16 +23,18 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
-from onceflow.connectors import kafka_clients, source_stats
-from onceflow.connectors.options import (
+from . import kafka_clients
+from .checkpoint import CheckpointDir
+from .errors import DataLossError, OptionError
+from .options import (
     RESERVED_CONSUMER_KEYS,
-    OptionError,
     get_bool,
     get_positive_int,
     kafka_conf,
     parse_starting_offsets,
     parse_topic_list,
 )
+from .records import SOURCE_COLUMNS, headers_type
 
 log = logging.getLogger("onceflow.source")
 
@@ -41,10 +43,6 @@ EARLIEST, LATEST = -2, -1  # as in Spark's startingOffsets JSON
 # One Arrow batch per librdkafka prefetch queue's worth of messages.
 ARROW_BATCH_ROWS = kafka_clients.PREFETCH_MESSAGES
 READ_STALL_TIMEOUT_S = 120.0
-
-
-class DataLossError(RuntimeError):
-    """Offsets the query still had to read were deleted from Kafka."""
 
 
 @dataclass(frozen=True)
@@ -86,8 +84,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.parallelism = get_positive_int(options, "parallelism")
         self.fail_on_data_loss = get_bool(options, "failOnDataLoss", True)
         self.group_id = options.get("group.id") or options.get("groupId")
-        # Where skipped offsets are counted for the metrics endpoint (onceflow's pipelines).
-        self.stats_location = options.get("statsLocation")
+        # onceflow's pipelines pass the query's checkpoint: the initial offsets are kept there,
+        # and offsets lost with failOnDataLoss=false are counted there for the metrics.
+        location = options.get("checkpointLocation")
+        self.checkpoint = CheckpointDir(location) if location else None
         self._latest: Offsets | None = None
         self._available_now_target: dict[tuple[str, int], int] | None = None
 
@@ -113,15 +113,20 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return [(t, p) for t in topics for p in sorted(metadata.topics[t].partitions)]
 
     def initialOffset(self) -> dict:
+        """Where the query starts, chosen once: Spark asks again when it replays batch 0, and
+        "latest" (or "earliest", after retention) would answer differently."""
+        if self.checkpoint is not None and (chosen := self.checkpoint.initial_offsets()):
+            return chosen
         tps = self._partitions_now()
         if isinstance(self.starting, dict):
-            return self._specific_offsets(tps, self.starting)
-        ends = (
-            kafka_clients.earliest(self.conf, tps)
-            if self.starting == "earliest"
-            else kafka_clients.stable_ends(self.conf, tps)
-        )
-        return _nest(ends)
+            offsets = self._specific_offsets(tps, self.starting)
+        elif self.starting == "earliest":
+            offsets = _nest(kafka_clients.earliest(self.conf, tps))
+        else:
+            offsets = _nest(kafka_clients.stable_ends(self.conf, tps))
+        if self.checkpoint is not None:
+            self.checkpoint.save_initial_offsets(offsets)
+        return offsets
 
     def _specific_offsets(self, tps: list[tuple[str, int]], spec: Offsets) -> Offsets:
         given = {(t, int(p)) for t, parts in spec.items() for p in parts}
@@ -144,41 +149,89 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadMaxRows(self.max_offsets) if self.max_offsets else ReadAllAvailable()
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
-        """The end of the next batch: never past the last stable offset, bounded by `limit`."""
+        """The end of the next batch: never past the last stable offset, bounded by `limit`.
+
+        Spark logs this end before the batch runs and makes it the next batch's start, so
+        every range's start is in the offset log: a partition that appears is added here
+        with its earliest offset as its end (nothing to read in this batch), and one whose
+        offsets went backwards is restarted the same way (an end below its start).
+        """
         tps = self._partitions_now()
         starts = _flat(start)
-        earliest = kafka_clients.earliest(self.conf, sorted(set(tps) | set(starts)))
-        new = [tp for tp in tps if tp not in starts]
-        if new:
-            log.info("new partitions join from their earliest offset: %s", new)
-            starts.update({tp: earliest[tp] for tp in new})
-        self._check_data_loss(starts, earliest)
-        stable = kafka_clients.stable_ends(self.conf, list(starts))
+        unlisted = self._keep_unlisted(starts, set(tps))
+        earliest = kafka_clients.earliest(self.conf, tps)
+        stable = kafka_clients.stable_ends(self.conf, tps)
+        rewound = self._check_rewound(starts, earliest, stable)
+        self._check_retention(starts, earliest)
         if self._available_now_target is not None:
             target = self._available_now_target
-            stable = {tp: min(o, target.get(tp, starts[tp])) for tp, o in stable.items()}
-        available = {tp: max(0, stable[tp] - starts[tp]) for tp in starts}
+            stable = {tp: min(o, target.get(tp, earliest[tp])) for tp, o in stable.items()}
+        available = {tp: max(0, stable[tp] - o) for tp, o in starts.items() if tp not in rewound}
         take = _admit(available, limit)
-        end = {tp: starts[tp] + take[tp] for tp in starts}
+        end = {tp: starts[tp] + n for tp, n in take.items()}
+        joined = [tp for tp in tps if tp not in starts]
+        if joined:
+            log.info("new partitions join from their earliest offset: %s", joined)
+        end |= {tp: earliest[tp] for tp in [*joined, *rewound]} | unlisted
         self._latest = _nest(stable)
         return _nest(end)
 
-    def _check_data_loss(self, starts: dict[tuple[str, int], int], earliest: dict) -> None:
+    def _data_loss(self, tp: tuple[str, int], what: str, fix: str, lost: int) -> None:
+        """Fail naming the loss, or (failOnDataLoss=false) log it and count `lost` offsets."""
+        message = f"data loss on topic {tp[0]} partition {tp[1]}: {what}"
+        if self.fail_on_data_loss:
+            raise DataLossError(
+                f"{message} Set failOnDataLoss=false to {fix} and continue, or restore the "
+                "input topic."
+            )
+        log.warning("%s Continuing: %s (failOnDataLoss=false).", message, fix)
+        if self.checkpoint is not None and lost:
+            self.checkpoint.add_source_data_loss(*tp, lost)
+
+    def _keep_unlisted(self, starts: dict[tuple[str, int], int], now: set) -> dict:
+        """Partitions the query reads that this metadata answer does not list: a broker whose
+        metadata lags, or a topic recreated with fewer partitions. They stay at their offset
+        (forgetting them would re-read them from their earliest offset when they are listed
+        again); if one returns with its log below that offset, that is caught as a rewind."""
+        unlisted = {tp: o for tp, o in starts.items() if tp not in now}
+        for tp, offset in sorted(unlisted.items()):
+            log.warning(
+                "topic %s partition %d is not in the broker's metadata; it stays at offset %d "
+                "until it is listed again",
+                *tp,
+                offset,
+            )
+            del starts[tp]
+        return unlisted
+
+    def _check_rewound(self, starts: dict, earliest: dict, stable: dict) -> list:
+        """Partitions whose offsets went backwards: the broker's log ends below the offset
+        the query expects next (topic recreated, broker data lost)."""
+        rewound = []
+        for tp, offset in sorted(starts.items()):
+            if stable[tp] < offset:
+                self._data_loss(
+                    tp,
+                    f"the query expected offset {offset} next, but the broker holds offsets "
+                    f"[{earliest[tp]}, {stable[tp]}) only: the topic was recreated or the "
+                    "broker lost data.",
+                    f"restart the partition from its earliest offset {earliest[tp]}",
+                    offset - earliest[tp],
+                )
+                rewound.append(tp)
+        return rewound
+
+    def _check_retention(self, starts: dict, earliest: dict) -> None:
         for tp, offset in starts.items():
             if earliest[tp] > offset:
-                message = (
-                    f"data loss on topic {tp[0]} partition {tp[1]}: the query expected offset "
-                    f"{offset} next, but the earliest available offset is {earliest[tp]}; "
-                    f"{earliest[tp] - offset} offsets were deleted (retention or compaction) "
-                    "before they were read."
+                self._data_loss(
+                    tp,
+                    f"the query expected offset {offset} next, but the earliest available "
+                    f"offset is {earliest[tp]}; {earliest[tp] - offset} offsets were deleted "
+                    "(retention or compaction) before they were read.",
+                    f"skip ahead to {earliest[tp]}",
+                    0,  # counted by the task that finds them gone (read_range)
                 )
-                if self.fail_on_data_loss:
-                    raise DataLossError(
-                        message + " Set failOnDataLoss=false to skip ahead and continue."
-                    )
-                log.warning("%s Continuing from %d (failOnDataLoss=false).", message, earliest[tp])
-                if self.stats_location:
-                    source_stats.add_data_loss(self.stats_location, *tp, earliest[tp] - offset)
                 starts[tp] = earliest[tp]
 
     def prepareForTriggerAvailableNow(self) -> None:
@@ -190,12 +243,11 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._latest
 
     def partitions(self, start: dict, end: dict) -> list[ReadTask]:
+        """The batch's ranges, from the offset log alone, so a replay reads what the first run
+        read. A partition missing from `start` joined in this batch with its start as its
+        end; an end below its start restarts the partition: neither reads anything now."""
         starts = _flat(start)
-        ends = _flat(end)
-        joined = [tp for tp in ends if tp not in starts]
-        if joined:  # partitions that appeared in this batch start from their earliest offset
-            starts.update(kafka_clients.earliest(self.conf, joined))
-        ranges = [OffsetRange(t, p, starts[(t, p)], e) for (t, p), e in ends.items()]
+        ranges = [OffsetRange(t, p, starts.get((t, p), e), e) for (t, p), e in _flat(end).items()]
         return plan_tasks(ranges, self.parallelism)
 
     def commit(self, end: dict) -> None:
@@ -207,19 +259,26 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: ReadTask) -> Iterator:
         for offset_range in partition.ranges:
-            yield from read_range(self.conf, offset_range, self.fail_on_data_loss)
+            yield from read_range(self.conf, offset_range, self.fail_on_data_loss, self.checkpoint)
 
 
-def read_range(conf: dict[str, str], r: OffsetRange, fail_on_data_loss: bool) -> Iterator:
-    """Arrow record batches of every committed record in `[r.start, r.end)`.
+def read_range(
+    conf: dict[str, str],
+    r: OffsetRange,
+    fail_on_data_loss: bool,
+    checkpoint: CheckpointDir | None = None,
+) -> Iterator:
+    """Arrow record batches of every committed record in `[r.start, r.end)`, and no other.
 
     Done when the consumer *position* reaches `r.end`: transaction markers and aborted
     records leave offset gaps, so waiting for a record at `end - 1` could wait forever.
+    Offsets of the range that are gone (deleted while the batch ran) are data loss: they
+    fail the task, or (failOnDataLoss=false) are counted and skipped, never replaced.
     """
     import pyarrow as pa
     from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-    consumer = kafka_clients.range_consumer(conf, fail_on_data_loss)
+    consumer = kafka_clients.range_consumer(conf)
     tp = TopicPartition(r.topic, r.partition, r.start)
     consumer.assign([tp])
     columns = _Columns()
@@ -231,14 +290,20 @@ def read_range(conf: dict[str, str], r: OffsetRange, fail_on_data_loss: bool) ->
             for msg in messages:
                 err = msg.error()
                 if err is None:
-                    if msg.offset() < r.end:
+                    if position <= msg.offset() < r.end:
                         columns.add(msg)
+                        position = msg.offset() + 1
+                elif err.code() == KafkaError._AUTO_OFFSET_RESET:
+                    position = _skip_lost(consumer, r, position, fail_on_data_loss, checkpoint)
+                    last_progress = time.monotonic()
+                    break
                 elif err.code() != KafkaError._PARTITION_EOF:
-                    _raise_read_error(r, err, fail_on_data_loss)
-            new_position = consumer.position([tp])[0].offset
-            if new_position > position:
-                position, last_progress = new_position, time.monotonic()
-            elif time.monotonic() - last_progress > READ_STALL_TIMEOUT_S:
+                    raise KafkaException(err)
+            else:
+                new_position = consumer.position([tp])[0].offset
+                if new_position > position:
+                    position, last_progress = new_position, time.monotonic()
+            if time.monotonic() - last_progress > READ_STALL_TIMEOUT_S:
                 raise KafkaException(
                     f"reading {r.topic}[{r.partition}] made no progress for "
                     f"{READ_STALL_TIMEOUT_S:.0f}s at offset {position} (range ends at {r.end}); "
@@ -253,16 +318,27 @@ def read_range(conf: dict[str, str], r: OffsetRange, fail_on_data_loss: bool) ->
         consumer.unassign()
 
 
-def _raise_read_error(r: OffsetRange, err, fail_on_data_loss: bool) -> None:
-    from confluent_kafka import KafkaError, KafkaException
+def _skip_lost(consumer, r: OffsetRange, position: int, fail: bool, checkpoint) -> int:
+    """Offset `position` of the range is gone: fail, or count the gone offsets and go on
+    from the first one still stored (the range's end if none is). Returns the new position."""
+    from confluent_kafka import TopicPartition
 
-    if err.code() == KafkaError._AUTO_OFFSET_RESET and fail_on_data_loss:
-        raise DataLossError(
-            f"data loss on topic {r.topic} partition {r.partition}: offset {r.start} is no "
-            "longer available (deleted by retention while the batch was being read). "
-            "Set failOnDataLoss=false to skip ahead and continue."
-        )
-    raise KafkaException(err)
+    low, high = consumer.get_watermark_offsets(
+        TopicPartition(r.topic, r.partition), kafka_clients.REQUEST_TIMEOUT_S
+    )
+    resume = low if position < low < r.end and high > low else r.end
+    message = (
+        f"data loss on topic {r.topic} partition {r.partition}: offset {position} of the "
+        f"batch's range [{r.start}, {r.end}) is gone (the broker holds [{low}, {high})); it was "
+        "deleted or the topic was recreated while the batch was read."
+    )
+    if fail:
+        raise DataLossError(message + " Set failOnDataLoss=false to skip gone offsets.")
+    log.warning("%s Skipping to %d (failOnDataLoss=false).", message, resume)
+    if checkpoint is not None:
+        checkpoint.add_source_data_loss(r.topic, r.partition, resume - position)
+    consumer.assign([TopicPartition(r.topic, r.partition, resume)])
+    return resume
 
 
 class _Columns:
@@ -308,27 +384,6 @@ class _Columns:
             ],
             names=SOURCE_COLUMNS,
         )
-
-
-SOURCE_COLUMNS = [
-    "key",
-    "value",
-    "topic",
-    "partition",
-    "offset",
-    "timestamp",
-    "timestampType",
-    "headers",
-]
-SOURCE_SCHEMA = (
-    "key BINARY, value BINARY, topic STRING, partition INT, offset BIGINT, "
-    "timestamp TIMESTAMP, timestampType INT, headers ARRAY<STRUCT<key: STRING, value: BINARY>>"
-)
-
-
-def headers_type(pa):
-    """Kafka headers as Spark's Kafka source shows them: array<struct<key, value>>."""
-    return pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
 
 
 def _admit(available: dict[tuple[str, int], int], limit: ReadLimit) -> dict[tuple[str, int], int]:

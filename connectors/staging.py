@@ -1,79 +1,72 @@
 """Side records (dead letters, late records) staged by executors for the epoch's transaction.
 
-Each staged record carries its source position (`topic/partition/offset`), and the sink
-publishes a position once even if two files of one batch hold it.
-
 Spark cannot route one scan of the input to two branches of a query without reading Kafka
 twice (self-unions re-scan the source; exchange reuse does not apply to streaming scans).
 So the step that classifies input records keeps the good ones in the query and *stages*
-the others here, keyed by (batch id, task partition), and the sink's phase 2 publishes them
-with the epoch's results in the same Kafka transaction. Staging is part of phase 1: nothing
-is visible until the commit, and a replayed batch overwrites its own files with the same
-records (its offset ranges, and so its partitions, are fixed by Spark's offset log).
+the others here, and the sink's phase 2 publishes them with the epoch's results in the same
+Kafka transaction. Staging is part of phase 1: nothing is visible until the commit.
 
-The directory lives inside the checkpoint, which every node of a cluster can already reach.
+Three rules keep staging exactly-once:
+- A file is durable (data and rename fsynced) before its task ends, so before Spark can
+  write its commit log; after a host crash it is whole or absent.
+- Files live under the batch's plan fingerprint (see CheckpointDir.staging_dir): a file
+  left by another plan of the same batch id is never published. Within one plan a
+  retried task replaces its own file, and the sink publishes each source position once.
+- A file that cannot be read fails the epoch with StagingError and is removed: the
+  epoch is not in Spark's commit log, so a restart recomputes its tasks and stages anew.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
-STAGING_DIR = "onceflow-staged"
-
-
-def staged_schema(pa):
-    """The sink's record columns, plus the source position and why the record is here."""
-    from onceflow.connectors.source import headers_type
-
-    return pa.schema(
-        [
-            ("topic", pa.string()),  # null: no topic configured; counted and logged
-            ("partition", pa.int32()),
-            ("key", pa.binary()),
-            ("value", pa.binary()),
-            ("headers", headers_type(pa)),
-            ("source", pa.string()),
-            ("reason", pa.string()),
-        ]
-    )
+from .checkpoint import BatchPlan, CheckpointDir, fsync
+from .errors import StagingError
+from .records import staged_schema
 
 
-def batch_dir(checkpoint: str | Path, batch_id: int) -> Path:
-    return Path(str(checkpoint).removeprefix("file:")) / STAGING_DIR / str(batch_id)
-
-
-def stage(checkpoint: str | Path, batch_id: int, partition_id: int, table) -> None:
-    """Write one task's side records atomically (a retried task replaces its own file)."""
+def stage(checkpoint: CheckpointDir, plan: BatchPlan, task: int, rows: list[dict]) -> None:
+    """Write one task's side records durably and atomically."""
     import pyarrow as pa
 
-    directory = batch_dir(checkpoint, batch_id)
+    table = pa.Table.from_pylist(rows, schema=staged_schema(pa))
+    directory = checkpoint.staging_dir(plan)
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"part-{partition_id:05d}.arrow"
-    tmp = final.with_suffix(f".tmp-{os.getpid()}")
+    final = directory / f"part-{task:05d}.arrow"
+    tmp = directory / f".part-{task:05d}.tmp-{os.getpid()}"
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
+    fsync(tmp)
     os.replace(tmp, final)
+    fsync(directory)
 
 
-def staged_tables(checkpoint: str | Path, batch_id: int) -> list:
-    """Every task's staged side records for `batch_id`, as Arrow tables."""
+def staged_tables(checkpoint: CheckpointDir, plan: BatchPlan) -> list:
+    """Every task's staged side records for this plan of the batch, as Arrow tables."""
     import pyarrow as pa
 
-    directory = batch_dir(checkpoint, batch_id)
+    directory = checkpoint.staging_dir(plan)
     if not directory.is_dir():
         return []
     tables = []
     for path in sorted(directory.glob("part-*.arrow")):
-        with pa.memory_map(str(path)) as source:
-            tables.append(pa.ipc.open_file(source).read_all())
+        try:
+            with pa.memory_map(str(path)) as source:
+                tables.append(pa.ipc.open_file(source).read_all())
+        except (OSError, pa.ArrowInvalid) as exc:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise StagingError(
+                f"staged side records {path} of batch {plan.batch_id} are unreadable ({exc}); "
+                "they were removed, and the batch is recomputed when the app restarts "
+                "(nothing of it was published)"
+            ) from None
     return tables
 
 
-def clean_up_to(checkpoint: str | Path, batch_id: int) -> None:
+def clean_up_to(checkpoint: CheckpointDir, batch_id: int) -> None:
     """Forget the staged records of `batch_id` and earlier: they are published."""
-    root = batch_dir(checkpoint, batch_id).parent
+    root = checkpoint.staging_root()
     if not root.is_dir():
         return
     for child in root.iterdir():

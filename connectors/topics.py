@@ -8,7 +8,7 @@ import uuid
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import NewTopic
 
-from onceflow.connectors import kafka_clients
+from . import kafka_clients
 
 
 def create_topic(

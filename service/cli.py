@@ -7,9 +7,10 @@ import sys
 
 from onceflow import config as pipeline_config
 from onceflow import logs
+from onceflow.connectors.errors import EXIT_BAD_CONFIG, EXIT_FAILURE, OnceflowError
 from onceflow.local_kafka import LocalKafka, LocalKafkaError
 
-EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
+EXIT_OK = 0
 
 
 def _kafka(args: argparse.Namespace) -> int:
@@ -115,14 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.configure()
-    from onceflow.runner import PipelineFailed
-
     try:
         return args.handler(args)
     except pipeline_config.ConfigError as exc:
         print(f"onceflow: invalid pipeline: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    except (LocalKafkaError, PipelineFailed) as exc:
+    except OnceflowError as exc:
+        print(f"onceflow: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except LocalKafkaError as exc:
         print(f"onceflow: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from onceflow.connectors.errors import EXIT_BAD_CONFIG, OnceflowError
+
 ENV_PREFIX = "ONCEFLOW_"
 AGGREGATE_FUNCTIONS = ("count", "sum", "min", "max", "avg", "approx_count_distinct")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$")
@@ -31,8 +33,10 @@ _AGGREGATION = re.compile(r"^\s*([a-z_]+)\s*\(\s*(\*|[A-Za-z_][A-Za-z0-9_.]*)\s*
 _APP_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
-class ConfigError(ValueError):
+class ConfigError(OnceflowError, ValueError):
     """The pipeline file is invalid; `path` names the field, the message says how to fix it."""
+
+    exit_code = EXIT_BAD_CONFIG
 
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"{path}: {message}" if path else message)
@@ -83,6 +87,9 @@ class SinkConfig:
     late_topic: str | None = None
     marker_topic: str | None = None
     guarantee: str = "exactly_once"  # at_least_once: no transaction (duplicates on a crash)
+    # How long an epoch's transaction may stay open before the broker aborts it; at most the
+    # broker's transaction.max.timeout.ms (15 min by default).
+    transaction_timeout_ms: int = 60_000
 
 
 @dataclass(frozen=True)
@@ -265,7 +272,21 @@ def _source(s: _Section) -> SourceConfig:
 
 
 def _sink(s: _Section) -> SinkConfig:
-    s.only("topic", "format", "dead_letter_topic", "late_topic", "marker_topic", "guarantee")
+    s.only(
+        "topic",
+        "format",
+        "dead_letter_topic",
+        "late_topic",
+        "marker_topic",
+        "guarantee",
+        "transaction_timeout",
+    )
+    timeout_ms = s.duration("transaction_timeout", default="60s")
+    if timeout_ms < 1_000:
+        raise ConfigError(
+            "sink.transaction_timeout",
+            f"must be at least 1s (librdkafka's minimum), got {timeout_ms} ms",
+        )
     return SinkConfig(
         topic=s.string("topic", required=True),
         format=s.choice("format", ("json", "avro"), default="json"),
@@ -273,6 +294,7 @@ def _sink(s: _Section) -> SinkConfig:
         late_topic=s.string("late_topic"),
         marker_topic=s.string("marker_topic"),
         guarantee=s.choice("guarantee", ("exactly_once", "at_least_once"), default="exactly_once"),
+        transaction_timeout_ms=timeout_ms,
     )
 
 

@@ -14,11 +14,12 @@ from collections import Counter
 
 from confluent_kafka import Consumer, TopicPartition
 
-from onceflow.config import parse
 from onceflow.connectors.topics import create_topic, read_committed
-from onceflow.generator import produce_clicks
-from onceflow.local_kafka import LocalKafka
-from onceflow.runner import run
+
+from .config import parse
+from .generator import produce_clicks
+from .local_kafka import LocalKafka
+from .runner import run
 
 
 def run_demo(seconds: float = 40.0) -> int:

@@ -3,7 +3,7 @@
 Spark's StreamingQueryListener feeds the engine's view (rows, epoch phases, watermark,
 state, source offsets); the sink's phase 2 runs in a Spark-managed Python process of its own,
 so it leaves its counters in a small JSON file in the checkpoint (sink_stats.py), which the
-listener reads after every epoch.
+listener reads after every epoch; so does the source for offsets lost to data loss.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from pyspark.sql.streaming import StreamingQueryListener
 
-from onceflow.connectors import kafka_clients, sink_stats, source_stats
+from onceflow.connectors import errors, kafka_clients
+from onceflow.connectors.checkpoint import CheckpointDir
 
 log = logging.getLogger("onceflow.metrics")
 
@@ -118,10 +119,10 @@ class PipelineListener(StreamingQueryListener):
 
     def __init__(self, metrics: PipelineMetrics, checkpoint: str, input_bytes=None) -> None:
         self.metrics = metrics
-        self.checkpoint = checkpoint
+        self.checkpoint = CheckpointDir(checkpoint)
         self.input_bytes = input_bytes  # a Spark accumulator the reading tasks add to
         self.bytes_seen = 0
-        self.data_loss_seen = source_stats.read(checkpoint)  # before this process started
+        self.data_loss_seen = self.checkpoint.source_stats()  # before this process started
         self.last_event = time.monotonic()
         self.ready = False
         self.failure: str | None = None
@@ -143,7 +144,7 @@ class PipelineListener(StreamingQueryListener):
         self.metrics.up.labels(self.metrics.app_id).set(0)
         if event.exception:
             self.failure = event.exception.splitlines()[0]
-            if "FencedError" in event.exception:
+            if isinstance(errors.from_text(event.exception), errors.FencedError):
                 self.metrics.fenced.labels(self.metrics.app_id).inc()
 
     def onQueryProgress(self, event) -> None:
@@ -162,7 +163,7 @@ class PipelineListener(StreamingQueryListener):
             total = self.input_bytes.value
             m.input_bytes.labels(app).inc(total - self.bytes_seen)
             self.bytes_seen = total
-        lost = source_stats.read(self.checkpoint)
+        lost = self.checkpoint.source_stats()
         for position, offsets in lost.items():
             topic, _, partition = position.rpartition("/")
             seen = self.data_loss_seen.get(position, 0)
@@ -213,7 +214,7 @@ class PipelineListener(StreamingQueryListener):
         self._record_sink()
 
     def _record_sink(self) -> None:
-        stats = sink_stats.read(self.checkpoint)
+        stats = self.checkpoint.sink_stats()
         if not stats:
             return
         m, app, before = self.metrics, self.metrics.app_id, self.previous_stats

@@ -16,10 +16,11 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import StructField, StructType, TimestampType
 
-from onceflow import encoding
-from onceflow.config import ConfigError, PipelineConfig, load_avro_schema
 from onceflow.connectors.sink import ForeachBatchSink
-from onceflow.routing import CORRUPT, HEADER_SOURCE, SOURCE_META, RoutePlan, avro_field_types, route
+
+from . import encoding
+from .config import ConfigError, PipelineConfig, load_avro_schema
+from .routing import CORRUPT, HEADER_SOURCE, SOURCE_META, RoutePlan, avro_field_types, route
 
 FORMAT = "onceflow-kafka"
 
@@ -35,7 +36,7 @@ def source_stream(spark: SparkSession, config: PipelineConfig) -> DataFrame:
         .option("maxOffsetsPerTrigger", str(source.max_records_per_batch))
         .option("failOnDataLoss", str(source.fail_on_data_loss).lower())
         .option("group.id", f"onceflow-{config.app_id}")
-        .option("statsLocation", config.checkpoint_location)
+        .option("checkpointLocation", config.checkpoint_location)
     )
     parallelism = source.parallelism or spark.sparkContext.defaultParallelism
     return reader.option("parallelism", str(parallelism)).load()
@@ -187,6 +188,7 @@ def start(
         "sinkName": config.sink.topic,
         "checkpointLocation": config.checkpoint_location,
         "guarantee": config.sink.guarantee,
+        "transactionTimeoutMs": str(config.sink.transaction_timeout_ms),
     }
     if config.sink.marker_topic:
         options["markerTopic"] = config.sink.marker_topic

@@ -16,10 +16,11 @@ import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cache, lru_cache
-from pathlib import Path
+from functools import cache
 
 from onceflow.connectors import staging
+from onceflow.connectors.checkpoint import CheckpointDir
+from onceflow.connectors.records import LATE_REASON, side_record
 
 SOURCE_META = ("_key", "_value", "_topic", "_partition", "_offset", "_timestamp", "_headers")
 CORRUPT = "_corrupt_record"
@@ -62,36 +63,28 @@ def route(plan: RoutePlan, input_bytes, batches: Iterator) -> Iterator:
 
     context = TaskContext.get()
     batch_id = int(context.getLocalProperty("streaming.sql.batchId"))
-    watermark_ms = batch_watermark_ms(plan.checkpoint, batch_id)
+    # Read per task, never cached: a checkpoint restored at the same path plans batch ids anew.
+    batch = CheckpointDir(plan.checkpoint).batch_plan(batch_id)
+    watermark_ms = batch.watermark_ms
     side: list[dict] = []
-    for batch in batches:
+    for records in batches:
         if input_bytes is not None:
-            sizes = [pc.sum(pc.binary_length(batch.column(c))).as_py() for c in ("_key", "_value")]
+            sizes = [
+                pc.sum(pc.binary_length(records.column(c))).as_py() for c in ("_key", "_value")
+            ]
             input_bytes.add(sum(s or 0 for s in sizes))
-        fields, reasons = _decode(plan, batch)
-        event_ms = _event_time_ms(plan, batch, fields)
+        fields, reasons = _decode(plan, records)
+        event_ms = _event_time_ms(plan, records, fields)
         _explain_missing(plan, fields, event_ms, reasons)
         dead = np.array([r is not None for r in reasons], dtype=bool)
         late = ~dead & _late(plan, event_ms, watermark_ms)
         for row in np.flatnonzero(dead | late):
-            side.append(_side_record(plan, batch, int(row), reasons[row]))
+            side.append(_side_record(plan, records, int(row), reasons[row]))
         keep = ~(dead | late)
         if keep.any():
-            yield _output_batch(plan, batch, fields, event_ms, keep, pa)
+            yield _output_batch(plan, records, fields, event_ms, keep, pa)
     if side:
-        staging.stage(plan.checkpoint, batch_id, context.partitionId(), _side_table(side, pa))
-
-
-def batch_watermark_ms(checkpoint: str, batch_id: int) -> int:
-    """The watermark Spark wrote ahead for this batch (line 2 of offsets/<batch id>)."""
-    return _read_watermark(str(checkpoint), batch_id)
-
-
-@lru_cache(maxsize=256)  # one entry per batch id: bounded for long-running workers
-def _read_watermark(checkpoint: str, batch_id: int) -> int:
-    path = Path(checkpoint.removeprefix("file:")) / "offsets" / str(batch_id)
-    metadata = json.loads(path.read_text().splitlines()[1])
-    return int(metadata.get("batchWatermarkMs", 0))
+        staging.stage(CheckpointDir(plan.checkpoint), batch, context.partitionId(), side)
 
 
 # -- decoding ------------------------------------------------------------------------------
@@ -301,16 +294,5 @@ def _side_record(plan: RoutePlan, batch, row: int, reason: str | None) -> dict:
         topic = plan.late_topic
         headers += [{"key": HEADER_LATE, "value": b"true"}]
     headers += [{"key": HEADER_SOURCE, "value": position.encode()}]
-    return {
-        "topic": topic,  # None: no topic configured; the sink counts and logs it
-        "partition": None,
-        "key": get("_key"),
-        "value": get("_value"),
-        "headers": headers,
-        "source": position,
-        "reason": reason or "late",
-    }
-
-
-def _side_table(rows: list[dict], pa):
-    return pa.Table.from_pylist(rows, schema=staging.staged_schema(pa))
+    # topic None: no topic configured; the sink counts and logs the record
+    return side_record(topic, get("_key"), get("_value"), headers, position, reason or LATE_REASON)

@@ -2,32 +2,34 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import signal
 import threading
 import time
-from pathlib import Path
 
-from onceflow import pipeline
-from onceflow.config import ConfigError, PipelineConfig
-from onceflow.connectors import faults
-from onceflow.metrics import PipelineListener, PipelineMetrics, probe_lag, serve
-from onceflow.spark_session import build_session
+from onceflow.connectors import errors, faults
+from onceflow.connectors.checkpoint import CheckpointDir
+
+from . import pipeline
+from .config import ConfigError, PipelineConfig
+from .lease import acquire
+from .metrics import PipelineListener, PipelineMetrics, probe_lag, serve
+from .spark_session import build_session
 
 log = logging.getLogger("onceflow.run")
 
 GRACEFUL_STOP_TIMEOUT_S = 300.0
-APP_FILE = "onceflow-app.json"
-# Errors raised by onceflow inside Spark's Python workers: their message is the whole story.
-KNOWN_ERRORS = re.compile(
-    r"(?:onceflow\S*\.)?(FencedError|CheckpointMismatchError|DataLossError|OptionError): (.*)"
-)
 
 
-class PipelineFailed(RuntimeError):
-    """The streaming query died; the message is the cause, without the JVM stack trace."""
+class PipelineFailed(errors.OnceflowError):
+    """The streaming query died; the message is the cause, without the JVM stack trace.
+
+    `cause` is the onceflow error a Python worker raised, when it was one.
+    """
+
+    def __init__(self, message: str, cause: errors.OnceflowError | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 def run(
@@ -37,13 +39,13 @@ def run(
 
     Raises PipelineFailed when the query dies.
     """
-    claim_checkpoint(config)
+    lease = acquire(config)
     faults.watch_state_store_commits(config.checkpoint_location)
     spark = build_session(config.spark_master, f"onceflow-{config.app_id}", config.spark_conf)
     metrics = PipelineMetrics(config.app_id)
     input_bytes = spark.sparkContext.accumulator(0)
     listener = PipelineListener(metrics, config.checkpoint_location, input_bytes)
-    if any(Path(config.checkpoint_location.removeprefix("file:"), "commits").glob("[0-9]*")):
+    if CheckpointDir(config.checkpoint_location).committed_batches():
         metrics.restarts.labels(config.app_id).inc()
     spark.streams.addListener(listener)
     server = _serve_metrics(config, metrics, listener)
@@ -56,16 +58,23 @@ def run(
     try:
         query = pipeline.start(spark, config, available_now, input_bytes)
         log.info("query %s started (checkpoint %s)", config.app_id, config.checkpoint_location)
-        while query.isActive and not stop.is_set():
+        lost = lease.lost if lease is not None else threading.Event()
+        while query.isActive and not stop.is_set() and not lost.is_set():
             query.awaitTermination(0.5)
+        if lost.is_set():
+            query.stop()
+            cause = lease.lost_error()
+            raise PipelineFailed(errors.describe(cause), cause)
         if stop.is_set() and query.isActive:
             _stop_after_current_epoch(query)
         error = query.exception()
         if error is not None:
-            raise PipelineFailed(explain(str(error)))
+            raise failure(str(error))
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        if lease is not None:
+            lease.release()
         _deliver_pending_events(spark)
         spark.streams.removeListener(listener)
         lag_probe.set()
@@ -125,36 +134,11 @@ def _stop_after_current_epoch(query) -> None:
     log.info("stopped after epoch %d", last.batchId if last else -1)
 
 
-def claim_checkpoint(config: PipelineConfig) -> None:
-    """A checkpoint belongs to one app: refuse another app's instead of reprocessing into it."""
-    location = config.checkpoint_location
-    if "://" in location and not location.startswith("file:"):
-        return  # remote storage: Spark guards it; the sink's markers still check its identity
-    directory = Path(location.removeprefix("file:"))
-    app_file = directory / APP_FILE
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if app_file.exists():
-            owner = json.loads(app_file.read_text()).get("app_id")
-            if owner != config.app_id:
-                raise ConfigError(
-                    "checkpoint.location",
-                    f"{directory} belongs to app {owner!r}, not {config.app_id!r}; point this "
-                    "app at its own checkpoint directory",
-                )
-        else:
-            app_file.write_text(json.dumps({"app_id": config.app_id}))
-    except OSError as exc:
-        raise ConfigError(
-            "checkpoint.location",
-            f"{directory} is not usable ({exc.strerror}); it must be a writable directory",
-        ) from None
-
-
-def explain(error_text: str) -> str:
-    """The onceflow error inside a StreamingQueryException, or its first line."""
-    match = KNOWN_ERRORS.search(error_text)
-    if match:
-        return f"{match.group(1)}: {match.group(2).strip()}"
+def failure(error_text: str) -> PipelineFailed:
+    """The query's failure as one line: the onceflow error inside the StreamingQueryException
+    (typed, as `cause`), or the exception's first line."""
+    cause = errors.from_text(error_text)
+    if cause is not None:
+        return PipelineFailed(errors.describe(cause), cause)
     lines = [line for line in error_text.splitlines() if line.strip()]
-    return lines[0] if lines else "the streaming query failed"
+    return PipelineFailed(lines[0] if lines else "the streaming query failed")

@@ -56,11 +56,13 @@ def pipeline(topics, tmp_path, bootstrap: str, window: dict | None = None) -> di
 
 
 def results(bootstrap: str, topic: str) -> dict[tuple, dict]:
-    """Window results by (key, window_start); a later update replaces an earlier one."""
-    final = {}
+    """Append-mode window results by (key, window_start); a window published twice fails."""
+    final: dict[tuple, dict] = {}
     for m in read_committed(bootstrap, topic):
         value = json.loads(m.value())
-        final[(json.dumps(value["key"]), value["window_start"])] = value
+        window = (json.dumps(value["key"]), value["window_start"])
+        assert window not in final, f"window {window} published twice: {final[window]}, {value}"
+        final[window] = value
     return final
 
 

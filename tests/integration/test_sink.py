@@ -82,10 +82,13 @@ def test_exactly_once_across_a_crash(
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
     before = Counter(m.value() for m in read_committed(kafka_bootstrap, sink))
     assert set(before.values()) == {1} and set(before) < set(values)
-    # The crash hit batch 2: its output is visible only if Kafka committed it.
-    marker = last_marker(
-        {"bootstrap.servers": kafka_bootstrap}, DEFAULT_MARKER_TOPIC, f"onceflow-{app}-{sink}"
-    )
+    # The crash hit batch 2: its output is visible only if Kafka committed it. Settle the
+    # transaction the crash left open, as the restart's init_transactions does, then look.
+    from confluent_kafka import Producer
+
+    conf, txn_id = {"bootstrap.servers": kafka_bootstrap}, f"onceflow-{app}-{sink}"
+    Producer({**conf, "transactional.id": txn_id}).init_transactions(30)
+    marker = last_marker(conf, DEFAULT_MARKER_TOPIC, txn_id, wait_s=30)
     assert marker.batch_id == (2 if fault.startswith("after_kafka_commit") else 1)
 
     restarted = run_passthrough(kafka_bootstrap, source, sink, checkpoint, app)
@@ -211,3 +214,49 @@ def test_at_least_once_publishes_without_a_transaction_and_still_skips_marked_re
     assert not restarted.publish(0, "q", [(sink, None, None, b"replayed", None)], [])
     assert restarted.publish(1, "q", [(sink, None, None, b"b", None)], [])
     assert [m.value() for m in read_committed(kafka_bootstrap, sink)] == [b"a", b"b"]
+
+
+@pytest.mark.parametrize("fault", ["commit_outcome_unknown@2", "commit_abortable@2"])
+def test_a_failed_commit_is_settled_by_the_marker_not_retried_blindly(
+    kafka_bootstrap, new_topic, passthrough_input, tmp_path, fault
+):
+    """The Kafka commit of batch 2 fails once: after it committed (a timeout: outcome
+    unknown), or before (an abortable error). Either way the epoch is published once."""
+    source, values = passthrough_input
+    sink = new_topic(partitions=2, prefix="out")
+    app = f"commit-{uuid.uuid4().hex[:8]}"
+    result = run_passthrough(kafka_bootstrap, source, sink, str(tmp_path / "ck"), app, fault)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "epoch 2: commit failed" in result.stderr  # the fault did fire, in batch 2
+    assert "a new producer settles the transaction" in result.stderr
+    output = Counter(m.value() for m in read_committed(kafka_bootstrap, sink))
+    assert output == Counter(values), "output differs from input: loss or duplicates"
+
+
+def test_a_marker_behind_another_apps_open_transaction_is_still_read(kafka_bootstrap, new_topic):
+    """Apps share the marker topic; a read_committed reader stops at the first open
+    transaction, which would hide this app's newer marker and let its replay publish again."""
+    import threading
+
+    from confluent_kafka import Producer
+
+    sink = new_topic(prefix="out")
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    app, markers = f"app-{uuid.uuid4().hex[:8]}", f"markers-{uuid.uuid4().hex[:8]}"
+    publisher = TransactionalPublisher(conf, app, markers)
+    assert publisher.publish(0, "q", [(sink, None, None, b"a0", None)], [])
+    other = Producer({**conf, "transactional.id": f"other-{uuid.uuid4().hex[:8]}"})
+    other.init_transactions(30)
+    other.begin_transaction()
+    other.produce(markers, key=b"other-app", value=b"{}")
+    assert other.flush(30) == 0  # an open transaction on the marker topic
+    assert publisher.publish(1, "q", [(sink, None, None, b"a1", None)], [])  # behind it
+    threading.Timer(2.0, lambda: other.commit_transaction(30)).start()  # settles in 2 s
+
+    restarted = TransactionalPublisher(conf, app, markers)
+    assert not restarted.publish(1, "q", [(sink, None, None, b"a1-again", None)], [])
+    wait_until(
+        lambda: [m.value() for m in read_committed(kafka_bootstrap, sink)] == [b"a0", b"a1"],
+        30,
+        "each epoch once",
+    )

@@ -9,7 +9,9 @@ import pytest
 from confluent_kafka import Producer, TopicPartition
 from pyspark.errors import StreamingQueryException
 
-from onceflow.connectors import kafka_clients, source_stats
+from onceflow.connectors import kafka_clients
+from onceflow.connectors.checkpoint import CheckpointDir
+from onceflow.connectors.source import OffsetRange
 from tests.helpers import drain, produce, source_reader, wait_until
 
 pytestmark = pytest.mark.integration
@@ -206,11 +208,11 @@ def test_retention_loss_skips_ahead_when_allowed_and_counts_the_lost_offsets(
     _lose_unread_offsets(spark, kafka_bootstrap, topic, checkpoint)
 
     reader = source_reader(
-        spark, kafka_bootstrap, topic, failOnDataLoss="false", statsLocation=checkpoint
+        spark, kafka_bootstrap, topic, failOnDataLoss="false", checkpointLocation=checkpoint
     )
     rows, _ = drain(reader, checkpoint)
     assert records_of(rows) == {0: [(10 + i, f"b{i}".encode()) for i in range(5, 10)]}
-    assert source_stats.read(checkpoint) == {f"{topic}/0": 5}  # for the metrics endpoint
+    assert CheckpointDir(checkpoint).source_stats() == {f"{topic}/0": 5}  # for the metrics endpoint
 
 
 def test_unknown_topic_fails_fast_naming_the_option(spark, kafka_bootstrap, tmp_path):
@@ -239,3 +241,114 @@ def test_parallelism_reads_each_batch_in_that_many_equal_tasks(
         assert sorted(r.offset for r in rows if r.partition == p) == list(range(333))
     per_task = Counter(r.task for r in rows)
     assert sorted(per_task.values()) == [499, 500]
+
+
+# -- offsets that go backwards, gone offsets, partitions that come and go (issue: no holes) --
+
+
+def _recreate(bootstrap: str, topic: str, partitions: int) -> None:
+    """Delete `topic` and create it again, empty: its offsets start over at 0."""
+    from onceflow.connectors.topics import create_topic
+
+    admin = kafka_clients.admin({"bootstrap.servers": bootstrap})
+    admin.delete_topics([topic])[topic].result(30)
+    wait_until(lambda: topic not in admin.list_topics(timeout=5).topics, what="topic deleted")
+
+    def created() -> bool:
+        try:
+            create_topic(bootstrap, topic, partitions)
+            return True
+        except Exception:  # the deletion may still be in progress on the broker
+            return False
+
+    wait_until(created, what="topic created again")
+
+
+def _read_then_recreate(spark, bootstrap: str, topic: str, checkpoint: str, **options) -> None:
+    """Read offsets 0..499 of partition 0, then recreate the topic with 300 new records."""
+    produce(bootstrap, topic, ((None, f"old{i}".encode(), 0) for i in range(500)))
+    drain(source_reader(spark, bootstrap, topic, **options), checkpoint)
+    _recreate(bootstrap, topic, 1)
+    produce(bootstrap, topic, ((None, f"new{i}".encode(), 0) for i in range(300)))
+
+
+def test_a_recreated_topic_is_data_loss_naming_both_offsets(
+    spark, kafka_bootstrap, new_topic, tmp_path
+):
+    topic = new_topic(partitions=1)
+    checkpoint = str(tmp_path / "ck")
+    _read_then_recreate(spark, kafka_bootstrap, topic, checkpoint)
+
+    with pytest.raises(StreamingQueryException) as info:
+        drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
+    message = str(info.value)
+    assert f"data loss on topic {topic} partition 0" in message
+    assert "expected offset 500 next" in message and "offsets [0, 300) only" in message
+
+
+def test_a_recreated_topic_restarts_from_earliest_when_allowed(
+    spark, kafka_bootstrap, new_topic, tmp_path
+):
+    topic = new_topic(partitions=1)
+    checkpoint = str(tmp_path / "ck")
+    options = {"failOnDataLoss": "false", "checkpointLocation": checkpoint}
+    _read_then_recreate(spark, kafka_bootstrap, topic, checkpoint, **options)
+
+    rows, _ = drain(source_reader(spark, kafka_bootstrap, topic, **options), checkpoint)
+    # Every new record exactly once, in order; the rewind (500 offsets) is counted.
+    assert records_of(rows) == {0: [(i, f"new{i}".encode()) for i in range(300)]}
+    assert CheckpointDir(checkpoint).source_stats() == {f"{topic}/0": 500}
+    produce(kafka_bootstrap, topic, ((None, f"later{i}".encode(), 0) for i in range(5)))
+    rows, _ = drain(source_reader(spark, kafka_bootstrap, topic, **options), checkpoint)
+    assert records_of(rows) == {0: [(300 + i, f"later{i}".encode()) for i in range(5)]}
+
+
+def test_a_read_never_delivers_an_offset_outside_its_range(kafka_bootstrap, new_topic, tmp_path):
+    """A range whose offsets are gone when it is read (the topic was recreated after the
+    batch was planned): nothing below its start is delivered, and the gone offsets count."""
+    from onceflow.connectors.source import OffsetRange, read_range
+
+    topic = new_topic(partitions=1)
+    produce(kafka_bootstrap, topic, ((None, f"v{i}".encode(), 0) for i in range(20)))
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    checkpoint = CheckpointDir(tmp_path / "ck")
+
+    batches = list(read_range(conf, OffsetRange(topic, 0, 50, 60), False, checkpoint))
+    assert sum(b.num_rows for b in batches) == 0
+    assert checkpoint.source_stats() == {f"{topic}/0": 10}
+
+    _delete_before(kafka_bootstrap, topic, 0, 15)
+    batches = list(read_range(conf, OffsetRange(topic, 0, 10, 18), False, checkpoint))
+    offsets = [o for b in batches for o in b.column("offset").to_pylist()]
+    assert offsets == [15, 16, 17]
+    assert checkpoint.source_stats() == {f"{topic}/0": 15}
+
+    with pytest.raises(Exception, match=r"offset 10 of the batch's range \[10, 18\) is gone"):
+        list(read_range(conf, OffsetRange(topic, 0, 10, 18), True, checkpoint))
+
+
+def test_a_new_partition_starts_in_the_offset_log_before_it_is_read(kafka_bootstrap, new_topic):
+    """The batch that discovers a partition logs its earliest offset as the end and reads
+    nothing of it; the next batch's start is then in the offset log, so a replay cannot
+    ask the broker again (retention may have moved the earliest offset meanwhile)."""
+    from confluent_kafka.admin import NewPartitions
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    from onceflow.connectors.source import KafkaStreamReader
+
+    topic = new_topic(partitions=1)
+    produce(kafka_bootstrap, topic, ((None, b"a", 0) for _ in range(4)))
+    admin = kafka_clients.admin({"bootstrap.servers": kafka_bootstrap})
+    admin.create_partitions([NewPartitions(topic, 2)])[topic].result(30)
+    wait_until(
+        lambda: len(admin.list_topics(topic, timeout=5).topics[topic].partitions) == 2,
+        what="the new partition",
+    )
+    produce(kafka_bootstrap, topic, ((None, b"b", 1) for _ in range(6)))
+    reader = KafkaStreamReader({"kafka.bootstrap.servers": kafka_bootstrap, "subscribe": topic})
+    start = {topic: {"0": 1}}
+    end = reader.latestOffset(start, ReadAllAvailable())
+    assert end == {topic: {"0": 4, "1": 0}}
+    (task,) = reader.partitions(start, end)
+    assert task.ranges == (OffsetRange(topic, 0, 1, 4),)
+    assert reader.latestOffset(end, ReadAllAvailable()) == {topic: {"0": 4, "1": 6}}

@@ -1,0 +1,176 @@
+"""The checkpoint directory: the only code that knows its layout.
+
+Spark owns `metadata` (the query id), `offsets/<batch>` (the write-ahead log: a version line,
+the batch's metadata with its watermark, then one offset per source) and `commits/<batch>`.
+onceflow keeps its own files beside them: the source's initial offsets, the staged side
+records of each epoch, the stats files the metrics endpoint reads, and the app's claim.
+Everything else asks this module, so a change of layout is a change here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import OptionError
+
+STAGING = "onceflow-staged"
+SINK_STATS = "onceflow-sink-stats.json"
+SOURCE_STATS = "onceflow-source-stats.json"
+INITIAL_OFFSETS = "onceflow-initial-offsets.json"
+CLAIM = "onceflow-app.json"
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What Spark wrote ahead for one batch: its source end offsets and its watermark."""
+
+    batch_id: int
+    source_offsets: list  # one entry per source, as Spark logged it (a dict, or "-" for none)
+    watermark_ms: int
+    fingerprint: str  # changes whenever the batch's start or end offsets were planned anew
+
+
+class CheckpointDir:
+    """A query's checkpoint directory, given as Spark's `checkpointLocation` (path or file:)."""
+
+    def __init__(self, location: str | os.PathLike) -> None:
+        self.location = str(location)
+        self.path = Path(self.location.removeprefix("file:"))
+
+    @property
+    def is_local(self) -> bool:
+        return "://" not in self.location or self.location.startswith("file:")
+
+    # -- Spark's files ---------------------------------------------------------------------
+
+    def query_id(self) -> str:
+        """The id Spark stores in the checkpoint: it names the checkpoint across restarts."""
+        path = self.path / "metadata"
+        try:
+            return json.loads(path.read_text())["id"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise OptionError(
+                f"cannot read the query id from {path} ({exc}); the onceflow-kafka sink needs "
+                "a checkpoint on a file system this host can read"
+            ) from None
+
+    def batch_plan(self, batch_id: int) -> BatchPlan:
+        """Batch `batch_id` as Spark's offset log has it (the log is written before it runs)."""
+        raw = self._offset_log(batch_id)
+        if raw is None:
+            raise OptionError(
+                f"the offset log {self.path / 'offsets' / str(batch_id)} is missing: the "
+                "checkpoint must be on a file system the driver and executors can read"
+            )
+        lines = raw.decode().splitlines()
+        metadata = json.loads(lines[1])
+        sources = [json.loads(line) if line.startswith("{") else line for line in lines[2:]]
+        previous = self._offset_log(batch_id - 1) or b""
+        fingerprint = hashlib.sha256(previous + b"\0" + raw).hexdigest()[:16]
+        return BatchPlan(batch_id, sources, int(metadata.get("batchWatermarkMs", 0)), fingerprint)
+
+    def _offset_log(self, batch_id: int) -> bytes | None:
+        try:
+            return (self.path / "offsets" / str(batch_id)).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def committed_batches(self) -> list[int]:
+        """Batch ids in Spark's commit log, oldest first."""
+        directory = self.path / "commits"
+        if not directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+    # -- the source's initial offsets --------------------------------------------------------
+
+    def initial_offsets(self) -> dict | None:
+        """The offsets the query started from, if it already chose them."""
+        return self._read_json(INITIAL_OFFSETS)
+
+    def save_initial_offsets(self, offsets: dict) -> None:
+        write_atomically(self.path / INITIAL_OFFSETS, json.dumps(offsets).encode())
+
+    # -- staged side records -----------------------------------------------------------------
+
+    def staging_root(self) -> Path:
+        return self.path / STAGING
+
+    def staging_dir(self, plan: BatchPlan) -> Path:
+        """Where this plan of the batch stages its side records; another plan of the same
+        batch id (a checkpoint restored from an older copy) never reads these files."""
+        return self.staging_root() / str(plan.batch_id) / plan.fingerprint
+
+    # -- stats and claim files ---------------------------------------------------------------
+
+    def sink_stats(self) -> dict:
+        return self._read_json(SINK_STATS) or {}
+
+    def write_sink_stats(self, stats: dict) -> None:
+        write_atomically(self.path / SINK_STATS, json.dumps(stats).encode())
+
+    def source_stats(self) -> dict[str, int]:
+        return self._read_json(SOURCE_STATS) or {}
+
+    def add_source_data_loss(self, topic: str, partition: int, offsets: int) -> None:
+        """Count `offsets` lost on topic/partition; tasks of one batch may add at once."""
+        with self._locked(SOURCE_STATS):
+            lost = self.source_stats()
+            key = f"{topic}/{partition}"
+            lost[key] = lost.get(key, 0) + offsets
+            write_atomically(self.path / SOURCE_STATS, json.dumps(lost).encode())
+
+    @contextlib.contextmanager
+    def claim(self) -> Iterator[dict]:
+        """The app's claim on the checkpoint, read and (if changed) written back under a
+        lock, so that two instances starting at once cannot both take it."""
+        with self._locked(CLAIM):
+            claim = self._read_json(CLAIM) or {}
+            before = dict(claim)
+            yield claim
+            if claim != before:
+                write_atomically(self.path / CLAIM, json.dumps(claim).encode())
+
+    def _read_json(self, name: str):
+        try:
+            return json.loads((self.path / name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    @contextlib.contextmanager
+    def _locked(self, name: str) -> Iterator[None]:
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.path / f".{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash leaves the old or the new file, whole.
+
+    The data and the rename are fsynced: after a host crash the file is not empty or torn.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    fsync(path.parent)
+
+
+def fsync(path: Path) -> None:
+    """fsync a file, or a directory (a rename is durable once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

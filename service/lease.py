@@ -1,0 +1,127 @@
+"""The checkpoint's lease: one running instance per checkpoint, refused at start otherwise.
+
+Kafka fencing and Spark's logs already keep a second instance from publishing twice, but
+only once it reaches a commit; a lease refuses it at start, with a message naming the
+holder. The holder renews its heartbeat every LEASE_S / 3 seconds. A lease is free when it
+was released, when its heartbeat is older than LEASE_S, or when its holder is a process of
+this host that no longer runs (a restarted container has the same host name and pid).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+from onceflow.connectors.checkpoint import CheckpointDir
+from onceflow.connectors.errors import CheckpointClaimError
+
+from .config import ConfigError, PipelineConfig
+
+log = logging.getLogger("onceflow.run")
+
+LEASE_S = 30.0
+
+
+class Lease:
+    """This instance's hold on a checkpoint; `release` it on exit."""
+
+    def __init__(self, checkpoint: CheckpointDir, app_id: str) -> None:
+        self.checkpoint = checkpoint
+        self.app_id = app_id
+        self.holder = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "instance": uuid.uuid4().hex,
+            "since": time.time(),
+        }
+        self._stop = threading.Event()
+        self.lost = threading.Event()  # set when another instance took the lease over
+        self.lost_to: dict = {}
+
+    def acquire(self) -> None:
+        with self.checkpoint.claim() as claim:
+            owner = claim.get("app_id", self.app_id)
+            if owner != self.app_id:
+                raise ConfigError(
+                    "checkpoint.location",
+                    f"{self.checkpoint.path} belongs to app {owner!r}, not {self.app_id!r}; "
+                    "point this app at its own checkpoint directory",
+                )
+            held = claim.get("holder")
+            if held and not self._is_free(held, claim.get("heartbeat", 0.0)):
+                age = time.time() - claim.get("heartbeat", 0.0)
+                raise CheckpointClaimError(
+                    f"checkpoint {self.checkpoint.path} is held by another instance of app "
+                    f"{self.app_id!r} (host {held.get('host')}, pid {held.get('pid')}, last "
+                    f"heartbeat {age:.0f} s ago). Stop that instance; if it is gone, its lease "
+                    f"expires {max(0.0, LEASE_S - age):.0f} s from now."
+                )
+            claim.update(app_id=self.app_id, holder=self.holder, heartbeat=time.time())
+        threading.Thread(target=self._renew, name="onceflow-lease", daemon=True).start()
+
+    def _is_free(self, held: dict, heartbeat: float) -> bool:
+        if time.time() - heartbeat > LEASE_S:
+            return True
+        if held.get("host") != self.holder["host"]:
+            return False
+        pid = held.get("pid")
+        if pid == os.getpid():
+            return True  # an earlier life of this process' container
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except (OSError, TypeError):
+            return False
+        return False
+
+    def _renew(self) -> None:
+        while not self._stop.wait(LEASE_S / 3):
+            try:
+                with self.checkpoint.claim() as claim:
+                    if (claim.get("holder") or {}).get("instance") != self.holder["instance"]:
+                        self.lost_to = claim.get("holder") or {}
+                        self.lost.set()
+                        return
+                    claim["heartbeat"] = time.time()
+            except OSError as exc:  # the next renewal tries again; the lease lasts LEASE_S
+                log.warning("could not renew the checkpoint lease: %s", exc)
+
+    def lost_error(self) -> CheckpointClaimError:
+        holder = self.lost_to
+        return CheckpointClaimError(
+            f"another instance (host {holder.get('host')}, pid {holder.get('pid')}) took over "
+            f"checkpoint {self.checkpoint.path} while this one did not renew its lease (paused "
+            f"for over {LEASE_S:.0f} s?); this one stops. Run one instance per checkpoint."
+        )
+
+    def release(self) -> None:
+        self._stop.set()
+        try:
+            with self.checkpoint.claim() as claim:
+                if (claim.get("holder") or {}).get("instance") == self.holder["instance"]:
+                    claim["holder"] = None
+        except OSError as exc:
+            log.warning("could not release the checkpoint lease: %s", exc)
+
+
+def acquire(config: PipelineConfig) -> Lease | None:
+    """Claim the pipeline's checkpoint for this instance (None: remote storage, which Spark
+    guards; the sink's markers still check the checkpoint's identity)."""
+    checkpoint = CheckpointDir(config.checkpoint_location)
+    if not checkpoint.is_local:
+        return None
+    lease = Lease(checkpoint, config.app_id)
+    try:
+        checkpoint.path.mkdir(parents=True, exist_ok=True)
+        lease.acquire()
+    except OSError as exc:
+        raise ConfigError(
+            "checkpoint.location",
+            f"{checkpoint.path} is not usable ({exc.strerror}); it must be a writable directory",
+        ) from None
+    return lease

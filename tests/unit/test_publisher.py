@@ -1,0 +1,318 @@
+"""The publishers' decisions, with a fake producer and a fake marker store (pure logic).
+
+What the real broker does with the same calls is covered by tests/integration/test_sink.py
+and the fault suite; here each branch of the protocol is driven on purpose.
+"""
+
+from __future__ import annotations
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+from onceflow.connectors import publisher as publishing
+from onceflow.connectors.errors import CheckpointMismatchError, FencedError, OnceflowError
+from onceflow.connectors.markers import Marker
+
+MARKERS = "markers"
+SINK = "onceflow-app-out"
+OFFSETS = [{"in": {"0": 10, "1": 12}}]
+
+
+class FakeBroker:
+    """What the fake producers log, and the marker a `read_committed` reader would see."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.marker: Marker | None = None
+        self.producers: list[FakeProducer] = []
+        self.undeliverable: set[str] = set()  # topics whose records are never acknowledged
+        self.commit_errors: list[KafkaError] = []  # raised by commit_transaction, in turn
+        self.commit_lands = False  # a failing commit_transaction still committed
+
+
+class FakeProducer:
+    def __init__(self, broker: FakeBroker, config: dict) -> None:
+        self.broker, self.config = broker, config
+        self.pending: list[tuple] = []
+        self.transaction: list[tuple] = []
+        broker.producers.append(self)
+
+    def _log(self, *call) -> None:
+        self.broker.calls.append((len(self.broker.producers) - 1, *call))
+
+    def init_transactions(self, timeout) -> None:
+        self._log("init_transactions")
+
+    def begin_transaction(self) -> None:
+        self._log("begin")
+        self.transaction = []
+
+    def produce(self, topic, value=None, key=None, partition=None, headers=None) -> None:
+        self._log("produce", topic, value)
+        self.pending.append((topic, key, value))
+        self.transaction.append((topic, key, value))
+
+    def poll(self, timeout=0) -> int:
+        return 0
+
+    def flush(self, timeout=None) -> int:
+        self._log("flush")
+        deliver = self.config.get("on_delivery")
+        for topic, _key, value in self.pending:
+            error = (
+                KafkaError(KafkaError._MSG_TIMED_OUT)
+                if topic in self.broker.undeliverable
+                else None
+            )
+            if error is None and topic == MARKERS:
+                self.broker.marker = Marker.decode(value)
+            if deliver:
+                deliver(error, _Message(topic))
+        self.pending = []
+        return 0
+
+    def commit_transaction(self, timeout=None) -> None:
+        self._log("commit")
+        if self.broker.commit_errors:
+            error = self.broker.commit_errors.pop(0)
+            if self.broker.commit_lands:
+                self._land()
+            raise KafkaException(error)
+        self._land()
+
+    def _land(self) -> None:
+        for topic, _key, value in self.transaction:
+            if topic == MARKERS:
+                self.broker.marker = Marker.decode(value)
+        self.pending = []
+
+    def abort_transaction(self, timeout=None) -> None:
+        self._log("abort")
+        self.pending = []
+
+    def purge(self) -> None:
+        self.pending = []
+
+
+class _Message:
+    def __init__(self, topic: str) -> None:
+        self._topic = topic
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return 0
+
+
+@pytest.fixture
+def broker(monkeypatch) -> FakeBroker:
+    broker = FakeBroker()
+    monkeypatch.setattr(publishing, "Producer", lambda config: FakeProducer(broker, config))
+    monkeypatch.setattr(publishing, "ensure_marker_topic", lambda conf, topic: None)
+    monkeypatch.setattr(publishing, "last_marker", lambda conf, topic, sink, wait_s: broker.marker)
+    return broker
+
+
+def records(n: int, topic: str = "out") -> list[tuple]:
+    return [(topic, None, None, f"r{i}".encode(), None) for i in range(n)]
+
+
+def exactly_once() -> publishing.TransactionalPublisher:
+    return publishing.TransactionalPublisher({"bootstrap.servers": "fake:9092"}, SINK, MARKERS)
+
+
+def at_least_once() -> publishing.AtLeastOncePublisher:
+    return publishing.AtLeastOncePublisher({"bootstrap.servers": "fake:9092"}, SINK, MARKERS)
+
+
+def produced(broker: FakeBroker, topic: str) -> list:
+    return [c[3] for c in broker.calls if c[1] == "produce" and c[2] == topic]
+
+
+# -- at-least-once: the marker only after every record is acknowledged ----------------------
+
+
+def test_at_least_once_produces_the_marker_only_after_the_records_are_acknowledged(broker):
+    assert at_least_once().publish(0, "q", records(3), OFFSETS)
+    steps = [(c[1], c[2] if len(c) > 2 else None) for c in broker.calls]
+    assert steps == [
+        ("produce", "out"),
+        ("produce", "out"),
+        ("produce", "out"),
+        ("flush", None),
+        ("produce", MARKERS),
+        ("flush", None),
+    ]
+
+
+def test_at_least_once_writes_no_marker_when_a_record_is_not_acknowledged(broker):
+    broker.undeliverable = {"out"}
+    with pytest.raises(OnceflowError, match="not all acknowledged"):
+        at_least_once().publish(0, "q", records(3), OFFSETS)
+    assert produced(broker, MARKERS) == []
+    assert broker.marker is None  # so a restart publishes the epoch again: never lost
+
+
+# -- the replay check -----------------------------------------------------------------------
+
+
+def test_a_replay_with_the_markers_offsets_is_skipped(broker):
+    assert exactly_once().publish(3, "q", records(2), OFFSETS)
+    restarted = exactly_once()
+    assert not restarted.publish(3, "q", records(2), OFFSETS)
+    assert restarted.stats.replays_skipped == 1
+    assert len(produced(broker, "out")) == 2
+
+
+def test_a_replay_planned_with_other_offsets_is_refused_naming_both(broker):
+    """A checkpoint restored from an older copy re-plans batch 3 with other offsets."""
+    assert exactly_once().publish(3, "q", records(2), OFFSETS)
+    replanned = [{"in": {"0": 10, "1": 20}}]
+    with pytest.raises(CheckpointMismatchError) as info:
+        exactly_once().publish(3, "q", records(2), replanned)
+    message = str(info.value)
+    assert "batch 3, planned with source offsets [{'in': {'0': 10, '1': 20}}]" in message
+    assert "plan of batch 3 that sink 'onceflow-app-out' published" in message
+    assert "(offsets [{'in': {'0': 10, '1': 12}}])" in message
+    assert "restored from an older copy" in message and "Restore the newest copy" in message
+
+
+def test_a_batch_below_the_marker_is_refused_even_with_offsets_inside_it(broker):
+    """Spark replays only its last uncommitted batch (the marker's or a later one): a lower
+    batch id comes from a checkpoint restored from an older copy, whose re-planned batches
+    close windows at other watermarks, so skipping them could lose results."""
+    assert exactly_once().publish(5, "q", records(2), OFFSETS)
+    with pytest.raises(CheckpointMismatchError, match="batch 4, planned .* is below batch 5"):
+        exactly_once().publish(4, "q", records(2), [{"in": {"0": 9, "1": 12}}])
+
+
+def test_the_markers_batch_planned_anew_is_refused_though_its_offsets_agree(broker):
+    publisher = exactly_once()
+    epoch = publishing.Epoch(3, "q", OFFSETS, records(1), plan="plan-a")
+    assert publisher.publish_epoch(epoch)
+    replanned = publishing.Epoch(3, "q", OFFSETS, records(1), plan="plan-b")
+    with pytest.raises(CheckpointMismatchError, match="differs from the plan of batch 3"):
+        exactly_once().publish_epoch(replanned)
+    assert not exactly_once().publish_epoch(epoch)
+
+
+def test_an_empty_epoch_below_the_marker_is_refused_too(broker):
+    assert exactly_once().publish(5, "q", records(2), OFFSETS)
+    with pytest.raises(CheckpointMismatchError, match="is below batch 5"):
+        exactly_once().check_replay(publishing.Epoch(4, "q", OFFSETS, []))
+    exactly_once().check_replay(publishing.Epoch(6, "q", OFFSETS, []))
+
+
+def test_another_checkpoints_marker_is_refused(broker):
+    assert exactly_once().publish(0, "q1", records(1), OFFSETS)
+    with pytest.raises(CheckpointMismatchError, match="was deleted or belongs to another app"):
+        exactly_once().publish(0, "q2", records(1), OFFSETS)
+
+
+# -- exactly-once: one branch per error kind ------------------------------------------------
+
+
+def test_an_epoch_is_one_transaction_with_the_marker_last(broker):
+    assert exactly_once().publish(0, "q", records(2), OFFSETS)
+    steps = [(c[1], c[2] if len(c) > 2 else None) for c in broker.calls]
+    assert steps == [
+        ("init_transactions", None),
+        ("begin", None),
+        ("produce", "out"),
+        ("produce", "out"),
+        ("produce", MARKERS),
+        ("commit", None),
+    ]
+    assert broker.marker == Marker(SINK, 0, "q", 2, OFFSETS)
+
+
+def test_a_commit_of_unknown_outcome_that_landed_is_settled_by_the_marker(broker):
+    broker.commit_errors = [KafkaError(KafkaError._TIMED_OUT, "timed out", retriable=True)]
+    broker.commit_lands = True
+    publisher = exactly_once()
+    assert publisher.publish(0, "q", records(2), OFFSETS)
+    # A new producer (init_transactions) read the marker; nothing was produced twice.
+    assert [c for c in broker.calls if c[1] == "init_transactions"] == [
+        (0, "init_transactions"),
+        (1, "init_transactions"),
+    ]
+    assert len(produced(broker, "out")) == 2
+    assert publisher.stats.transactions_committed == 1
+
+
+def test_a_commit_of_unknown_outcome_that_did_not_land_is_produced_again(broker):
+    broker.commit_errors = [KafkaError(KafkaError._TIMED_OUT, "timed out", retriable=True)]
+    assert exactly_once().publish(0, "q", records(2), OFFSETS)
+    assert len(broker.producers) == 2  # never retried on the producer whose commit failed
+    assert [c[0] for c in broker.calls if c[1] == "commit"] == [0, 1]
+    assert broker.marker == Marker(SINK, 0, "q", 2, OFFSETS)
+
+
+def test_an_abortable_commit_error_is_settled_by_the_marker_too(broker):
+    """librdkafka's abortable error after the commit request reached the broker must not
+    lead to a second publish: a new producer and the marker decide."""
+    broker.commit_errors = [KafkaError(KafkaError._STATE, "refused", txn_requires_abort=True)]
+    assert exactly_once().publish(0, "q", records(1), OFFSETS)
+    steps = [(c[0], c[1]) for c in broker.calls if c[1] != "produce"]
+    assert steps == [
+        (0, "init_transactions"),
+        (0, "begin"),
+        (0, "commit"),
+        (1, "init_transactions"),
+        (1, "begin"),
+        (1, "commit"),
+    ]
+    assert len(produced(broker, "out")) == 2  # the first attempt did not land: again, once
+
+
+def test_a_fenced_commit_is_the_fenced_error(broker):
+    broker.commit_errors = [KafkaError(KafkaError._FENCED, "fenced", fatal=True)]
+    with pytest.raises(FencedError, match="another instance started"):
+        exactly_once().publish(0, "q", records(1), OFFSETS)
+
+
+def test_fencing_raised_by_the_next_poll_is_the_fenced_error(broker):
+    """A fenced producer answers commit with _STATE; librdkafka raises the fatal cause
+    (_FENCED) from the producer's next poll."""
+    publisher = exactly_once()
+    broker.commit_errors = [KafkaError(KafkaError._STATE, "Operation not valid in state")]
+
+    causes = [KafkaError(KafkaError._FENCED, "fenced", fatal=True)]
+
+    def fenced_on_poll(timeout=0) -> int:  # librdkafka raises the fatal error once
+        if causes:
+            raise KafkaException(causes.pop())
+        return 0
+
+    publisher._start().poll = fenced_on_poll
+    with pytest.raises(FencedError):
+        publisher.publish(0, "q", records(1), OFFSETS)
+    assert publisher.producer is None  # dropped: the next epoch starts with a new producer
+
+
+def test_a_produce_refused_in_an_abortable_state_aborts_and_produces_again(broker):
+    publisher = exactly_once()
+    producer = publisher._start()
+    real_produce = producer.produce
+    refusals = [KafkaError(KafkaError._STATE, "Operation not valid in state")]
+
+    def produce(*args, **kwargs):
+        if refusals:
+            raise KafkaException(refusals.pop())
+        return real_produce(*args, **kwargs)
+
+    producer.produce = produce
+    assert publisher.publish(0, "q", records(1), OFFSETS)
+    steps = [c[1] for c in broker.calls]
+    assert steps == ["init_transactions", "begin", "abort", "begin", "produce", "produce", "commit"]
+
+
+def test_a_transaction_that_outlived_its_timeout_says_so(broker, monkeypatch):
+    clock = iter([100.0, 200.0, 200.0, 200.0])
+    monkeypatch.setattr(publishing.time, "monotonic", lambda: next(clock))
+    broker.commit_errors = [KafkaError(KafkaError._FENCED, "fenced", fatal=True)]
+    with pytest.raises(OnceflowError) as info:
+        exactly_once().publish(0, "q", records(1), OFFSETS)
+    assert type(info.value).__name__ == "TransactionTimedOutError"
+    assert "open for 100 s, past its timeout of 60 s" in str(info.value)
