@@ -15,7 +15,8 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
+
+from .checkpoint import CheckpointDir
 
 POINTS = (
     "before_prepare",
@@ -85,7 +86,7 @@ def watch_state_store_commits(checkpoint: str) -> None:
     if name != STATE_STORE_POINT:
         return
     version = str(int(batch or 0) + 1)
-    state = Path(checkpoint.removeprefix("file:"), "state")
+    state = CheckpointDir(checkpoint).path / "state"
 
     def written(entry: str) -> bool:  # final files and the temp files written before rename
         return entry.split(".")[0] == version or entry.startswith(f".{version}.")

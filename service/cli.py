@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from onceflow import config as pipeline_config
-from onceflow import logs
 from onceflow.connectors.errors import EXIT_BAD_CONFIG, EXIT_FAILURE, OnceflowError
-from onceflow.local_kafka import LocalKafka, LocalKafkaError
+
+from . import config as pipeline_config
+from . import logs
+from .local_kafka import LocalKafka, LocalKafkaError
 
 EXIT_OK = 0
 
@@ -38,42 +39,35 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from onceflow.runner import run
+    from .runner import run
 
     run(pipeline_config.load(args.pipeline), available_now=args.available_now)
     return EXIT_OK
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from onceflow.verify import verify
+    from .verify import WindowSpec, verify
 
     config = pipeline_config.load(args.pipeline)
-    count_field = None
-    if config.window is not None:
-        counts = [
-            a.name for a in config.window.aggregations if (a.function, a.column) == ("count", "*")
-        ]
-        if not counts:
-            raise pipeline_config.ConfigError(
-                "window.aggregations", "verify needs a count(*) aggregation to account for inputs"
-            )
-        count_field = counts[0]
-    elif config.transform is not None:
+    if config.transform is not None:
         raise pipeline_config.ConfigError("transform", "verify checks window and pass-through apps")
+    # Window apps: verify recomputes the windows from the input, the checkpoint's batches
+    # and watermark, so it can tell records in open windows from lost ones.
+    windows = WindowSpec.from_config(config) if config.window is not None else None
     report = verify(
         config.bootstrap_servers,
         config.source.topics,
         config.sink.topic,
         config.sink.dead_letter_topic,
         config.sink.late_topic,
-        count_field,
+        windows,
     )
     print(report.summary())
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from onceflow.demo import run_demo
+    from .demo import run_demo
 
     return run_demo(seconds=args.seconds)
 

@@ -30,6 +30,7 @@ _UNIT_MS = {
     **dict.fromkeys(("d", "day", "days"), 86_400_000),
 }
 _AGGREGATION = re.compile(r"^\s*([a-z_]+)\s*\(\s*(\*|[A-Za-z_][A-Za-z0-9_.]*)\s*\)\s*$")
+_REFERENCE = re.compile(r"\$\{([^}]+)\}")
 _APP_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -136,8 +137,36 @@ def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Pipeline
         raise ConfigError("", f"{path} is not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError("", f"{path} must hold a mapping of settings at the top level")
-    apply_env_overrides(raw, os.environ if environ is None else environ)
-    return parse(raw, base_dir=path.resolve().parent)
+    environ = os.environ if environ is None else environ
+    apply_env_overrides(raw, environ)
+    return parse(resolve_references(raw, environ), base_dir=path.resolve().parent)
+
+
+def resolve_references(node: Any, environ: Mapping[str, str], path: str = "") -> Any:
+    """`${NAME}` in a value is the environment variable NAME, `${file:/run/secrets/x}` the
+    file's content (trailing newline dropped): secrets need not sit in the pipeline file."""
+    if isinstance(node, dict):
+        return {
+            k: resolve_references(v, environ, f"{path}.{k}" if path else str(k))
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [resolve_references(v, environ, f"{path}[{i}]") for i, v in enumerate(node)]
+    if not isinstance(node, str):
+        return node
+
+    def value_of(match: re.Match) -> str:
+        name = match.group(1)
+        if name.startswith("file:"):
+            try:
+                return Path(name[5:]).read_text().rstrip("\n")
+            except OSError as exc:
+                raise ConfigError(path, f"cannot read {name[5:]} ({exc.strerror})") from None
+        if name not in environ:
+            raise ConfigError(path, f"refers to environment variable {name}, which is not set")
+        return environ[name]
+
+    return _REFERENCE.sub(value_of, node)
 
 
 def apply_env_overrides(raw: dict, environ: Mapping[str, str]) -> None:
@@ -176,12 +205,7 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
     if not _APP_ID.match(app_id):
         raise ConfigError("app_id", f"{app_id!r} may use letters, digits, '.', '_' and '-' only")
 
-    kafka_raw = top.mapping("kafka", required=True)
-    kafka = {
-        k.replace("_", ".") if k == "bootstrap_servers" else k: str(v) for k, v in kafka_raw.items()
-    }
-    if not kafka.get("bootstrap.servers"):
-        raise ConfigError("kafka.bootstrap_servers", "is required, e.g. 127.0.0.1:9092")
+    kafka = _kafka_settings(top.mapping("kafka", required=True))
 
     source = _source(_Section(top.mapping("source", required=True), "source"))
     sink = _sink(_Section(top.mapping("sink", required=True), "sink"))
@@ -230,6 +254,26 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
     )
     _check_fields(config)
     return config
+
+
+def _kafka_settings(raw: dict) -> dict[str, str]:
+    """librdkafka settings: `sasl_username` (as environment overrides must spell it) is
+    `sasl.username` (librdkafka's names have no underscores). They are checked by building a
+    client that never connects, so a misspelled one fails here, naming it."""
+    from confluent_kafka import KafkaException, Producer
+
+    kafka = {str(k).replace("_", "."): str(v) for k, v in raw.items()}
+    if not kafka.get("bootstrap.servers"):
+        raise ConfigError("kafka.bootstrap_servers", "is required, e.g. 127.0.0.1:9092")
+    settings = {k: v for k, v in kafka.items() if k != "bootstrap.servers"}  # never connect
+    try:
+        Producer({**settings, "log_level": 0})
+    except KafkaException as exc:
+        message = exc.args[0].str()
+        named = re.search(r'property:? "([^"]+)"', message)
+        field = f"kafka.{named.group(1)}" if named and named.group(1) in kafka else "kafka"
+        raise ConfigError(field, f"{message} (librdkafka)") from None
+    return kafka
 
 
 def _source(s: _Section) -> SourceConfig:

@@ -18,9 +18,10 @@ from pyspark.sql.types import StructField, StructType, TimestampType
 
 from onceflow.connectors.sink import ForeachBatchSink
 
-from . import encoding
+from . import formats
 from .config import ConfigError, PipelineConfig, load_avro_schema
-from .routing import CORRUPT, HEADER_SOURCE, SOURCE_META, RoutePlan, avro_field_types, route
+from .formats import avro_field_types
+from .routing import CORRUPT, HEADER_SOURCE, SOURCE_META, RoutePlan, route
 
 FORMAT = "onceflow-kafka"
 
@@ -112,7 +113,7 @@ def routed_stream(
 
 
 def windowed(routed: DataFrame, config: PipelineConfig) -> DataFrame:
-    """Window results as key/value records (value: JSON or Avro, see encoding.py)."""
+    """Window results as key/value records (value: JSON or Avro, see formats.py)."""
     window = config.window
     assert window is not None
     delay = f"{config.event_time.watermark_delay_ms} milliseconds"
@@ -131,7 +132,7 @@ def windowed(routed: DataFrame, config: PipelineConfig) -> DataFrame:
         F.unix_millis(F.col("window.end")).alias("window_end"),
         *[F.col(a.name) for a in window.aggregations],
     )
-    return encoding.encode(result, config.sink.format)
+    return formats.encode(result, config.sink.format)
 
 
 def transformed(routed: DataFrame, config: PipelineConfig) -> DataFrame:

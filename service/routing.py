@@ -12,15 +12,14 @@ Spark never silently drops one, and a window's result is final once it is publis
 
 from __future__ import annotations
 
-import io
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cache
 
 from onceflow.connectors import staging
 from onceflow.connectors.checkpoint import CheckpointDir
 from onceflow.connectors.records import LATE_REASON, side_record
+
+from . import formats
 
 SOURCE_META = ("_key", "_value", "_topic", "_partition", "_offset", "_timestamp", "_headers")
 CORRUPT = "_corrupt_record"
@@ -93,7 +92,8 @@ def route(plan: RoutePlan, input_bytes, batches: Iterator) -> Iterator:
 def _decode(plan: RoutePlan, batch) -> tuple[dict, list[str | None]]:
     """Decoded fields as Arrow arrays, and a reason for every record that cannot be decoded."""
     if plan.format == "avro":
-        return _decode_avro(plan, batch.column("_value").to_pylist())
+        values = batch.column("_value").to_pylist()
+        return formats.decode_avro(plan.avro_schema_json, plan.fields, values)
     reasons: list[str | None] = [None] * batch.num_rows
     value_nulls = batch.column("_value").is_null().to_pylist()
     if plan.format == "raw":
@@ -105,112 +105,10 @@ def _decode(plan: RoutePlan, batch) -> tuple[dict, list[str | None]]:
         if value_nulls[row]:
             reasons[row] = "record value is null"
         elif bad[row] or corrupt[row]:
-            reasons[row] = json_error(
+            reasons[row] = formats.json_error(
                 batch.column("_value")[row].as_py(), plan.json_schema_ddl or ""
             )
     return {f: data.field(f) for f in plan.fields}, reasons
-
-
-def json_error(value: bytes, ddl: str) -> str:
-    """Why a value does not decode as a JSON object of the schema: the first problem found."""
-    try:
-        parsed = json.loads(value)
-    except UnicodeDecodeError as exc:
-        return f"value is not UTF-8 text (byte {exc.start})"
-    except json.JSONDecodeError as exc:
-        return f"value is not valid JSON: {exc.msg} at character {exc.pos}"
-    if not isinstance(parsed, dict):
-        return f"value is JSON {type(parsed).__name__}, not an object"
-    integer, number = int, (int, float)
-    expected = {
-        "BIGINT": integer,
-        "LONG": integer,
-        "INT": integer,
-        "INTEGER": integer,
-        "SMALLINT": integer,
-        "DOUBLE": number,
-        "FLOAT": number,
-        "BOOLEAN": bool,
-        "STRING": str,
-    }
-    for part in ddl.split(","):
-        words = part.split()
-        if len(words) >= 2 and parsed.get(words[0]) is not None:
-            kind, got = expected.get(words[1].upper()), parsed[words[0]]
-            if kind and (not isinstance(got, kind) or (kind is int and isinstance(got, bool))):
-                return f"field {words[0]!r} is {json.dumps(got)[:80]}, not {words[1].upper()}"
-    return f"value does not match the schema {ddl!r}"
-
-
-def _decode_avro(plan: RoutePlan, values: list) -> tuple[dict, list[str | None]]:
-    import pyarrow as pa
-    from fastavro import schemaless_reader
-
-    schema = _avro_schema(plan.avro_schema_json)
-    columns: dict[str, list] = {f: [] for f in plan.fields}
-    reasons: list[str | None] = []
-    for value in values:
-        record, reason = None, None
-        if value is None:
-            reason = "record value is null"
-        else:
-            try:
-                buffer = io.BytesIO(value)
-                record = schemaless_reader(buffer, schema, None)
-                if buffer.tell() != len(value):
-                    raise ValueError(f"{len(value) - buffer.tell()} bytes left over")
-            except Exception as exc:  # fastavro raises many kinds for corrupt bytes
-                reason = f"value is not Avro of schema {schema.get('name')!r}: {exc}"
-                record = None
-        reasons.append(reason)
-        for f in plan.fields:
-            columns[f].append(record.get(f) if record else None)
-    types = avro_arrow_types(json.loads(plan.avro_schema_json or "{}"))
-    return {f: pa.array(columns[f], types[f]) for f in plan.fields}, reasons
-
-
-@cache
-def _avro_schema(schema_json: str | None) -> dict:
-    from fastavro import parse_schema
-
-    return parse_schema(json.loads(schema_json or "{}"))
-
-
-AVRO_TYPES = {
-    "string": ("STRING", "string"),
-    "long": ("BIGINT", "int64"),
-    "int": ("INT", "int32"),
-    "double": ("DOUBLE", "float64"),
-    "float": ("FLOAT", "float32"),
-    "boolean": ("BOOLEAN", "bool_"),
-    "bytes": ("BINARY", "binary"),
-}
-
-
-def avro_field_types(schema: dict) -> dict[str, str]:
-    """Spark SQL type per top-level field of a flat Avro record schema (nullable unions ok)."""
-    result = {}
-    for field in schema.get("fields", []):
-        kind = field["type"]
-        if isinstance(kind, list):
-            kinds = [k for k in kind if k != "null"]
-            kind = kinds[0] if len(kinds) == 1 else None
-        if isinstance(kind, dict):
-            kind = kind.get("type") if kind.get("logicalType") else None
-        if kind not in AVRO_TYPES:
-            raise ValueError(
-                f"Avro field {field['name']!r} has type {field['type']!r}; onceflow reads flat "
-                f"records of {', '.join(AVRO_TYPES)} (optionally nullable)"
-            )
-        result[field["name"]] = AVRO_TYPES[kind][0]
-    return result
-
-
-def avro_arrow_types(schema: dict) -> dict:
-    import pyarrow as pa
-
-    arrow = {sql: getattr(pa, name)() for sql, name in AVRO_TYPES.values()}
-    return {name: arrow[sql] for name, sql in avro_field_types(schema).items()}
 
 
 def _explain_missing(plan: RoutePlan, fields: dict, event_ms, reasons: list) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 import time
+
+from pyspark.errors import StreamingQueryException
 
 from onceflow.connectors import errors, faults
 from onceflow.connectors.checkpoint import CheckpointDir
@@ -59,8 +62,9 @@ def run(
         query = pipeline.start(spark, config, available_now, input_bytes)
         log.info("query %s started (checkpoint %s)", config.app_id, config.checkpoint_location)
         lost = lease.lost if lease is not None else threading.Event()
-        while query.isActive and not stop.is_set() and not lost.is_set():
-            query.awaitTermination(0.5)
+        with contextlib.suppress(StreamingQueryException):  # reported below, in one line
+            while query.isActive and not stop.is_set() and not lost.is_set():
+                query.awaitTermination(0.5)
         if lost.is_set():
             query.stop()
             cause = lease.lost_error()

@@ -1,8 +1,9 @@
 """The pipeline file's validation: every error names its field."""
 
 import pytest
+import yaml
 
-from onceflow.config import ConfigError, apply_env_overrides, parse, parse_duration_ms
+from onceflow.config import ConfigError, apply_env_overrides, load, parse, parse_duration_ms
 
 BASE = {
     "app_id": "clicks",
@@ -83,3 +84,46 @@ def test_errors_name_the_field(sections, message):
     with pytest.raises(ConfigError) as info:
         parse(raw)
     assert message in str(info.value)
+
+
+def test_every_kafka_setting_can_come_from_the_environment(tmp_path):
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    config = load(
+        path,
+        environ={
+            "ONCEFLOW_KAFKA__SASL_USERNAME": "svc",
+            "ONCEFLOW_KAFKA__SASL_PASSWORD": "pw",
+            "ONCEFLOW_KAFKA__SASL_MECHANISM": "SCRAM-SHA-512",
+            "ONCEFLOW_KAFKA__SECURITY_PROTOCOL": "SASL_SSL",
+        },
+    )
+    assert config.kafka["sasl.username"] == "svc"
+    assert config.kafka["sasl.mechanism"] == "SCRAM-SHA-512"
+    assert config.kafka["security.protocol"] == "SASL_SSL"
+
+
+def test_secrets_are_referenced_from_the_environment_or_a_file(tmp_path):
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    raw = {
+        **BASE,
+        "kafka": {
+            "bootstrap_servers": "${BROKERS}",
+            "sasl.username": "svc",
+            "sasl.password": f"${{file:{secret}}}",
+        },
+    }
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config = load(path, environ={"BROKERS": "b1:9092,b2:9092"})
+    assert config.kafka["bootstrap.servers"] == "b1:9092,b2:9092"
+    assert config.kafka["sasl.password"] == "s3cret"
+    with pytest.raises(ConfigError, match="kafka.bootstrap_servers: refers to environment"):
+        load(path, environ={})
+
+
+def test_a_misspelled_kafka_setting_is_refused_naming_it():
+    raw = {**BASE, "kafka": {"bootstrap_servers": "b:9092", "sasl.usrname": "x"}}
+    with pytest.raises(ConfigError, match="kafka.sasl.usrname: No such configuration property"):
+        parse(raw)

@@ -49,8 +49,32 @@ def test_kafka_runs_the_tested_version_with_single_node_transaction_settings():
     kafka = SERVICES["kafka"]
     assert kafka["image"] == f"apache/kafka:{KAFKA_VERSION}"
     env = {k: str(v) for k, v in kafka["environment"].items()}
-    assert {k: env[k] for k in KAFKA_CONTAINER_ENV} == KAFKA_CONTAINER_ENV
-    assert "kafka-data" in " ".join(kafka["volumes"])
+    listeners = {"KAFKA_LISTENERS", "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"}
+    expected = {k: v for k, v in KAFKA_CONTAINER_ENV.items() if k not in listeners}
+    assert {k: env[k] for k in expected} == expected
+
+
+def test_kafkas_log_is_on_its_named_volume():
+    """The apache/kafka image's configureDefaults sets KAFKA_LOG_DIRS to a directory inside
+    the container when it is unset: then `down` and `up` start an empty broker."""
+    kafka = SERVICES["kafka"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in kafka["volumes"]}
+    log_dirs = str(kafka["environment"].get("KAFKA_LOG_DIRS", "/tmp/kraft-combined-logs"))
+    for log_dir in log_dirs.split(","):
+        volume = next((name for path, name in mounts.items() if log_dir.startswith(path)), None)
+        assert volume in COMPOSE["volumes"], f"{log_dir} is not on a named volume"
+
+
+def test_the_host_reaches_kafka_on_an_advertised_published_port():
+    kafka = SERVICES["kafka"]
+    advertised = kafka["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+    host_ports = re.findall(r"//localhost:(\d+)", advertised)
+    assert host_ports and all(f"{p}:{p}" in kafka["ports"] for p in host_ports)
+
+
+def test_long_running_services_restart_after_a_failure():
+    for name in ("kafka", "onceflow", "generator", "prometheus", "grafana"):
+        assert SERVICES[name].get("restart") == "unless-stopped", name
 
 
 def test_topics_the_pipeline_needs_are_created_by_the_init_step():

@@ -1,0 +1,182 @@
+"""The record formats, each with its decoding and its encoding: json, avro and raw.
+
+Input records are decoded in the router (`routing.py`): a value that does not decode becomes a
+dead letter whose `onceflow.error` header says why. Window results are encoded for the sink:
+JSON values look like {"key": ..., "window_start": <ms>, "window_end": <ms>, "<agg>": ...};
+Avro values are schemaless Avro (no registry framing) of the record schema `avro_schema`
+derives from the result columns. One table maps Avro types to Spark and Arrow types.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from functools import cache, partial
+
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.types import DataType, StructType
+
+# Avro type -> (Spark SQL type, pyarrow type factory): flat records of these, nullable or not.
+AVRO_TYPES = {
+    "string": ("STRING", "string"),
+    "long": ("BIGINT", "int64"),
+    "int": ("INT", "int32"),
+    "double": ("DOUBLE", "float64"),
+    "float": ("FLOAT", "float32"),
+    "boolean": ("BOOLEAN", "bool_"),
+    "bytes": ("BINARY", "binary"),
+}
+
+
+# -- json ----------------------------------------------------------------------------------
+
+
+def json_error(value: bytes, ddl: str) -> str:
+    """Why a value does not decode as a JSON object of the schema: the first problem found."""
+    try:
+        parsed = json.loads(value)
+    except UnicodeDecodeError as exc:
+        return f"value is not UTF-8 text (byte {exc.start})"
+    except json.JSONDecodeError as exc:
+        return f"value is not valid JSON: {exc.msg} at character {exc.pos}"
+    if not isinstance(parsed, dict):
+        return f"value is JSON {type(parsed).__name__}, not an object"
+    integer, number = int, (int, float)
+    expected = {
+        "BIGINT": integer,
+        "LONG": integer,
+        "INT": integer,
+        "INTEGER": integer,
+        "SMALLINT": integer,
+        "DOUBLE": number,
+        "FLOAT": number,
+        "BOOLEAN": bool,
+        "STRING": str,
+    }
+    for part in ddl.split(","):
+        words = part.split()
+        if len(words) >= 2 and parsed.get(words[0]) is not None:
+            kind, got = expected.get(words[1].upper()), parsed[words[0]]
+            if kind and (not isinstance(got, kind) or (kind is int and isinstance(got, bool))):
+                return f"field {words[0]!r} is {json.dumps(got)[:80]}, not {words[1].upper()}"
+    return f"value does not match the schema {ddl!r}"
+
+
+# -- avro ----------------------------------------------------------------------------------
+
+
+def decode_avro(
+    schema_json: str | None, fields: tuple[str, ...], values: list
+) -> tuple[dict, list[str | None]]:
+    """Decoded fields as Arrow arrays, and a reason for every value that is not Avro of the
+    schema (or has bytes left over)."""
+    import pyarrow as pa
+    from fastavro import schemaless_reader
+
+    schema = parsed_avro_schema(schema_json)
+    columns: dict[str, list] = {f: [] for f in fields}
+    reasons: list[str | None] = []
+    for value in values:
+        record, reason = None, None
+        if value is None:
+            reason = "record value is null"
+        else:
+            try:
+                buffer = io.BytesIO(value)
+                record = schemaless_reader(buffer, schema, None)
+                if buffer.tell() != len(value):
+                    raise ValueError(f"{len(value) - buffer.tell()} bytes left over")
+            except Exception as exc:  # fastavro raises many kinds for corrupt bytes
+                reason = f"value is not Avro of schema {schema.get('name')!r}: {exc}"
+                record = None
+        reasons.append(reason)
+        for f in fields:
+            columns[f].append(record.get(f) if record else None)
+    types = avro_arrow_types(json.loads(schema_json or "{}"))
+    return {f: pa.array(columns[f], types[f]) for f in fields}, reasons
+
+
+@cache
+def parsed_avro_schema(schema_json: str | None) -> dict:
+    from fastavro import parse_schema
+
+    return parse_schema(json.loads(schema_json or "{}"))
+
+
+def avro_field_types(schema: dict) -> dict[str, str]:
+    """Spark SQL type per top-level field of a flat Avro record schema (nullable unions ok)."""
+    result = {}
+    for field in schema.get("fields", []):
+        kind = field["type"]
+        if isinstance(kind, list):
+            kinds = [k for k in kind if k != "null"]
+            kind = kinds[0] if len(kinds) == 1 else None
+        if isinstance(kind, dict):
+            kind = kind.get("type") if kind.get("logicalType") else None
+        if kind not in AVRO_TYPES:
+            raise ValueError(
+                f"Avro field {field['name']!r} has type {field['type']!r}; onceflow reads flat "
+                f"records of {', '.join(AVRO_TYPES)} (optionally nullable)"
+            )
+        result[field["name"]] = AVRO_TYPES[kind][0]
+    return result
+
+
+def avro_arrow_types(schema: dict) -> dict:
+    import pyarrow as pa
+
+    arrow = {sql: getattr(pa, name)() for sql, name in AVRO_TYPES.values()}
+    return {name: arrow[sql] for name, sql in avro_field_types(schema).items()}
+
+
+# -- encoding results ----------------------------------------------------------------------
+
+
+def encode(result: DataFrame, fmt: str) -> DataFrame:
+    key_type = result.schema["key"].dataType
+    key = F.to_json("key") if isinstance(key_type, StructType) else F.col("key").cast("string")
+    if fmt == "json":
+        return result.select(key.alias("key"), F.to_json(F.struct(*result.columns)).alias("value"))
+    schema = avro_schema(result.schema)
+    keyed = result.select(key.alias("_record_key"), F.struct(*result.columns).alias("_row"))
+    out = StructType.fromDDL("key STRING, value BINARY")
+    return keyed.mapInArrow(partial(_encode_avro, json.dumps(schema)), out)
+
+
+def avro_schema(schema: StructType, name: str = "WindowResult") -> dict:
+    """An Avro record schema for a Spark struct of flat fields (every field nullable)."""
+    fields = []
+    for field in schema.fields:
+        fields.append(
+            {"name": field.name, "type": ["null", _avro_type(field.dataType, field.name)]}
+        )
+    return {"type": "record", "name": name, "namespace": "dev.onceflow", "fields": fields}
+
+
+def _avro_type(data_type: DataType, name: str):
+    if isinstance(data_type, StructType):
+        return avro_schema(data_type, name=f"{name.capitalize()}Record")
+    for avro, (sql, _arrow) in AVRO_TYPES.items():
+        if data_type.simpleString() == sql.lower():
+            return avro
+    raise ValueError(
+        f"result column {name!r} of type {data_type.simpleString()} has no Avro mapping"
+    )
+
+
+def _encode_avro(schema_json: str, batches: Iterator) -> Iterator:
+    import pyarrow as pa
+    from fastavro import parse_schema, schemaless_writer
+
+    schema = parse_schema(json.loads(schema_json))
+    for batch in batches:
+        values = []
+        for row in batch.column("_row").to_pylist():
+            buffer = io.BytesIO()
+            schemaless_writer(buffer, schema, row)
+            values.append(buffer.getvalue())
+        yield pa.RecordBatch.from_arrays(
+            [batch.column("_record_key"), pa.array(values, pa.binary())], names=["key", "value"]
+        )
