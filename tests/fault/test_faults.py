@@ -85,7 +85,7 @@ def app(kafka_bootstrap, new_topic, tmp_path, request):
     """Topics, input records and pipeline files for one scenario."""
     long = request.config.getoption("--long")
     Service.kills = 0
-    records = 300_000 if long else 20_000
+    records = 300_000 if long else 10_000
     topics = {n: new_topic(partitions=3, prefix=n) for n in ("in", "out", "dlq", "late")}
     events = [(f"u{i % USERS}", BASE + i * 7) for i in range(records)]
     produce(
@@ -282,7 +282,7 @@ def test_random_sigkills_then_restart_from_the_same_checkpoint(app, windowed, re
     """Each kill lands at a random moment after the run's first committed epoch, while a
     backlog remains (epochs are small enough for several per run), so it can hit any step
     of an epoch, or the gap between two."""
-    kills = 12 if app.long else 3
+    kills = 12 if app.long else 2
     seed = int(os.environ.get("ONCEFLOW_FAULT_SEED", "20261121"))
     rng = random.Random(seed)
     per_batch = len(app.events) // (kills * 4)
