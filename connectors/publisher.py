@@ -274,7 +274,8 @@ class TransactionalPublisher(EpochPublisher):
                 our transactional id and settles the transaction it left open), then the
                 last committed marker, read after that. Only now is it known what is out.
         Step 2. The marker must describe this checkpoint (its query id).
-        Step 3. A batch at or below the marker is a replay: skip it, if its offsets agree.
+        Step 3. The marker's own batch is a replay: skip it, if its offsets and plan agree
+                (a batch below the marker, or one planned anew, is refused).
         Step 4. In one transaction, produce the results, the side records, then the marker.
         Step 5. Commit.
         (The sink then removes the epoch's staged side records.)

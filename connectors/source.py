@@ -286,6 +286,7 @@ def read_range(
     last_progress = time.monotonic()
     try:
         while position < r.end:
+            before = position
             messages = consumer.consume(min(ARROW_BATCH_ROWS, r.end - position), 1.0)
             for msg in messages:
                 err = msg.error()
@@ -295,15 +296,14 @@ def read_range(
                         position = msg.offset() + 1
                 elif err.code() == KafkaError._AUTO_OFFSET_RESET:
                     position = _skip_lost(consumer, r, position, fail_on_data_loss, checkpoint)
-                    last_progress = time.monotonic()
                     break
                 elif err.code() != KafkaError._PARTITION_EOF:
                     raise KafkaException(err)
-            else:
-                new_position = consumer.position([tp])[0].offset
-                if new_position > position:
-                    position, last_progress = new_position, time.monotonic()
-            if time.monotonic() - last_progress > READ_STALL_TIMEOUT_S:
+            else:  # past gaps (transaction markers, aborted records) the position says more
+                position = max(position, consumer.position([tp])[0].offset)
+            if position > before:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > READ_STALL_TIMEOUT_S:
                 raise KafkaException(
                     f"reading {r.topic}[{r.partition}] made no progress for "
                     f"{READ_STALL_TIMEOUT_S:.0f}s at offset {position} (range ends at {r.end}); "

@@ -206,13 +206,16 @@ def _click(user: str, ts: int) -> bytes:
     return json.dumps({"user": user, "bytes": 100, "ts": ts}).encode()
 
 
-def crash_at_then_recover(app: Scenario, point: str, windowed: bool) -> None:
-    """SIGKILL the service at `point` in batch 3, restart from the same checkpoint, check."""
-    pipeline = app.pipeline(windowed=windowed)
+def crash_then_drain(app: Scenario, pipeline: Path, point: str) -> None:
+    """SIGKILL the service at `point` in batch 3, then drain from the same checkpoint."""
     crashed = app.service(pipeline, available_now=True, fault=f"{point}@3")
     assert crashed.wait() == -signal.SIGKILL, crashed.tail()
     Service.kills += 1
     app.drain(pipeline)
+
+
+def crash_at_then_recover(app: Scenario, point: str, windowed: bool) -> None:
+    crash_then_drain(app, app.pipeline(windowed=windowed), point)
     if windowed:
         app.check_windows()
     else:
@@ -247,10 +250,7 @@ UPDATE_MODE_POINTS = ("before_kafka_commit", "after_kafka_commit", "during_state
 def test_kill_at_every_fault_point_update_mode(app, update_mode_point):
     """Update mode (foreachBatch): every update is published once, the last one is final."""
     pipeline = app.pipeline(windowed=True, window={"output_mode": "update"})
-    crashed = app.service(pipeline, available_now=True, fault=f"{update_mode_point}@3")
-    assert crashed.wait() == -signal.SIGKILL, crashed.tail()
-    Service.kills += 1
-    app.drain(pipeline)
+    crash_then_drain(app, pipeline, update_mode_point)
     updates = Counter()
     final = {}
     for m in read_committed(app.bootstrap, app.topics["out"]):
@@ -267,10 +267,7 @@ def test_kill_at_every_fault_point_update_mode(app, update_mode_point):
 def test_kill_at_every_fault_point_at_least_once(app, at_least_once_point):
     """At-least-once may publish an epoch again after a crash, and never loses a record."""
     pipeline = app.pipeline(windowed=False, sink={"guarantee": "at_least_once"})
-    crashed = app.service(pipeline, available_now=True, fault=f"{at_least_once_point}@3")
-    assert crashed.wait() == -signal.SIGKILL, crashed.tail()
-    Service.kills += 1
-    app.drain(pipeline)
+    crash_then_drain(app, pipeline, at_least_once_point)
     report = app.report()
     assert not report.missing and report.unaccounted <= 0, report.summary()
     if at_least_once_point == "before_kafka_commit":  # records acknowledged, marker not

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections import Counter
 
@@ -352,3 +353,18 @@ def test_a_new_partition_starts_in_the_offset_log_before_it_is_read(kafka_bootst
     (task,) = reader.partitions(start, end)
     assert task.ranges == (OffsetRange(topic, 0, 1, 4),)
     assert reader.latestOffset(end, ReadAllAvailable()) == {topic: {"0": 4, "1": 6}}
+
+
+def test_a_long_read_is_never_taken_for_a_stall(kafka_bootstrap, new_topic, monkeypatch):
+    """Progress is every offset read, not only the consumer's position: here each look at
+    the clock is 61 s later, so a read that missed its own progress would fail as stalled."""
+    from onceflow.connectors import source
+    from onceflow.connectors.source import read_range
+
+    topic = new_topic(partitions=1)
+    produce(kafka_bootstrap, topic, ((None, b"v", 0) for _ in range(60_000)))
+    clock = itertools.count(0, 61)  # thread-safe: other threads may read the clock too
+    monkeypatch.setattr(source.time, "monotonic", lambda: next(clock))
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    batches = list(read_range(conf, OffsetRange(topic, 0, 0, 60_000), True))
+    assert [o for b in batches for o in b.column("offset").to_pylist()] == list(range(60_000))
