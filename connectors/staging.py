@@ -18,10 +18,9 @@ Three rules keep staging exactly-once:
 
 from __future__ import annotations
 
-import os
 import shutil
 
-from .checkpoint import BatchPlan, CheckpointDir, fsync
+from .checkpoint import BatchPlan, CheckpointDir, write_atomically
 from .errors import StagingError
 from .records import staged_schema
 
@@ -31,15 +30,11 @@ def stage(checkpoint: CheckpointDir, plan: BatchPlan, task: int, rows: list[dict
     import pyarrow as pa
 
     table = pa.Table.from_pylist(rows, schema=staged_schema(pa))
-    directory = checkpoint.staging_dir(plan)
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"part-{task:05d}.arrow"
-    tmp = directory / f".part-{task:05d}.tmp-{os.getpid()}"
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+    buffer = pa.BufferOutputStream()
+    with pa.ipc.new_file(buffer, table.schema) as writer:
         writer.write_table(table)
-    fsync(tmp)
-    os.replace(tmp, final)
-    fsync(directory)
+    path = checkpoint.staging_dir(plan) / f"part-{task:05d}.arrow"
+    write_atomically(path, buffer.getvalue().to_pybytes())
 
 
 def staged_tables(checkpoint: CheckpointDir, plan: BatchPlan) -> list:
