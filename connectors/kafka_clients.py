@@ -17,6 +17,7 @@ from confluent_kafka import (
     IsolationLevel,
     KafkaError,
     KafkaException,
+    TopicCollection,
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, OffsetSpec
@@ -86,6 +87,26 @@ def metadata(conf: dict[str, str]):
         raise
     except Exception as exc:  # confluent-kafka raises KafkaException, but be explicit
         raise KafkaException(KafkaError(KafkaError._TRANSPORT, str(exc))) from exc
+
+
+@kafka_retry
+def topic_ids(conf: dict[str, str], topics: Iterable[str]) -> dict[str, str]:
+    """The id of each topic: a topic deleted and created again under its name gets a new one.
+
+    A topic deleted since the metadata was read is left out.
+    """
+    names = sorted(set(topics))
+    if not names:
+        return {}
+    futures = admin(conf).describe_topics(TopicCollection(names), request_timeout=REQUEST_TIMEOUT_S)
+    ids = {}
+    for name, future in futures.items():
+        try:
+            ids[name] = str(future.result().topic_id)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise
+    return ids
 
 
 @kafka_retry

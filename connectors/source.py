@@ -4,7 +4,8 @@ Spark writes the end-offset map that `latestOffset` returns to its offset log be
 runs, so the batch boundary *is* the checkpoint barrier, aligned to Kafka offsets. Executors
 then read exactly `[start, end)` of each partition with `isolation.level=read_committed`.
 
-Offsets are kept as Spark's Kafka source keeps them: {"topic": {"partition": offset}}.
+Offsets are kept as Spark's Kafka source keeps them, {"topic": {"partition": offset}}, with
+each topic's id beside them (see `offsets`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
-from . import kafka_clients
+from . import kafka_clients, offsets
 from .checkpoint import CheckpointDir
 from .errors import DataLossError, OptionError
 from .options import (
@@ -39,6 +40,7 @@ from .records import SOURCE_COLUMNS, headers_type
 log = logging.getLogger("onceflow.source")
 
 Offsets = dict[str, dict[str, int]]
+TP = offsets.TP
 EARLIEST, LATEST = -2, -1  # as in Spark's startingOffsets JSON
 # One Arrow batch per librdkafka prefetch queue's worth of messages.
 ARROW_BATCH_ROWS = kafka_clients.PREFETCH_MESSAGES
@@ -118,17 +120,19 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self.checkpoint is not None and (chosen := self.checkpoint.initial_offsets()):
             return chosen
         tps = self._partitions_now()
+        ids = kafka_clients.topic_ids(self.conf, {t for t, _ in tps})
         if isinstance(self.starting, dict):
-            offsets = self._specific_offsets(tps, self.starting)
+            starts = self._specific_offsets(tps, self.starting)
         elif self.starting == "earliest":
-            offsets = _nest(kafka_clients.earliest(self.conf, tps))
+            starts = kafka_clients.earliest(self.conf, tps)
         else:
-            offsets = _nest(kafka_clients.stable_ends(self.conf, tps))
+            starts = kafka_clients.stable_ends(self.conf, tps)
+        chosen = offsets.logged(starts, ids)
         if self.checkpoint is not None:
-            self.checkpoint.save_initial_offsets(offsets)
-        return offsets
+            self.checkpoint.save_initial_offsets(chosen)
+        return chosen
 
-    def _specific_offsets(self, tps: list[tuple[str, int]], spec: Offsets) -> Offsets:
+    def _specific_offsets(self, tps: list[TP], spec: Offsets) -> dict[TP, int]:
         given = {(t, int(p)) for t, parts in spec.items() for p in parts}
         if self.pattern is None and given != set(tps):
             missing = sorted(set(tps) - given)
@@ -139,11 +143,12 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             )
         earliest = kafka_clients.earliest(self.conf, sorted(given))
         latest = kafka_clients.stable_ends(self.conf, sorted(given))
-        flat = {}
+        chosen = {}
         for t, p in sorted(given):
             offset = spec[t][str(p)]
-            flat[(t, p)] = {EARLIEST: earliest[(t, p)], LATEST: latest[(t, p)]}.get(offset, offset)
-        return _nest(flat)
+            special = {EARLIEST: earliest[(t, p)], LATEST: latest[(t, p)]}
+            chosen[(t, p)] = special.get(offset, offset)
+        return chosen
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.max_offsets) if self.max_offsets else ReadAllAvailable()
@@ -154,13 +159,15 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         Spark logs this end before the batch runs and makes it the next batch's start, so
         every range's start is in the offset log: a partition that appears is added here
         with its earliest offset as its end (nothing to read in this batch), and one whose
-        offsets went backwards is restarted the same way (an end below its start).
+        offsets went backwards, or whose topic was recreated, is restarted the same way.
         """
         tps = self._partitions_now()
-        starts = _flat(start)
-        unlisted = self._keep_unlisted(starts, set(tps))
+        ids_now = kafka_clients.topic_ids(self.conf, {t for t, _ in tps})
+        starts, ids = offsets.positions(start), offsets.topic_ids(start)
         earliest = kafka_clients.earliest(self.conf, tps)
         stable = kafka_clients.stable_ends(self.conf, tps)
+        recreated = self._check_recreated(starts, ids, ids_now, earliest, stable)
+        unlisted = self._keep_unlisted(starts, set(tps))
         rewound = self._check_rewound(starts, earliest, stable)
         self._check_retention(starts, earliest)
         if self._available_now_target is not None:
@@ -169,12 +176,13 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         available = {tp: max(0, stable[tp] - o) for tp, o in starts.items() if tp not in rewound}
         take = _admit(available, limit)
         end = {tp: starts[tp] + n for tp, n in take.items()}
-        joined = [tp for tp in tps if tp not in starts]
+        joined = [tp for tp in tps if tp not in starts and tp not in recreated]
         if joined:
             log.info("new partitions join from their earliest offset: %s", joined)
-        end |= {tp: earliest[tp] for tp in [*joined, *rewound]} | unlisted
-        self._latest = _nest(stable)
-        return _nest(end)
+        end |= {tp: earliest[tp] for tp in [*joined, *recreated, *rewound]} | unlisted
+        self._latest = offsets.logged(stable)
+        read_topics = {t for t, _ in end}
+        return offsets.logged(end, {t: i for t, i in (ids | ids_now).items() if t in read_topics})
 
     def _data_loss(self, tp: tuple[str, int], what: str, fix: str, lost: int) -> None:
         """Fail naming the loss, or (failOnDataLoss=false) log it and count `lost` offsets."""
@@ -187,6 +195,37 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         log.warning("%s Continuing: %s (failOnDataLoss=false).", message, fix)
         if self.checkpoint is not None and lost:
             self.checkpoint.add_source_data_loss(*tp, lost)
+
+    def _check_recreated(
+        self, starts: dict, ids: dict, ids_now: dict, earliest: dict, stable: dict
+    ) -> list:
+        """Partitions of topics deleted and created again since the last batch: the topic's
+        id changed. Their offsets start over, so the checkpoint's offset means nothing in the
+        new topic, even when it already holds more records. They are taken out of `starts`;
+        returned are those the new topic still has, to restart from their earliest offset."""
+        restarted = []
+        for tp, offset in sorted(starts.items()):
+            old, new = ids.get(tp[0]), ids_now.get(tp[0])
+            if old is None or new is None or old == new:
+                continue
+            del starts[tp]
+            what = (
+                f"the topic was deleted and created again (topic id {old} is now {new}): the "
+                f"query expected offset {offset} next of the old topic; "
+            )
+            if tp in stable:
+                self._data_loss(
+                    tp,
+                    what + f"the new one holds offsets [{earliest[tp]}, {stable[tp]}).",
+                    f"restart the partition from its earliest offset {earliest[tp]}",
+                    max(0, offset - earliest[tp]),
+                )
+                restarted.append(tp)
+            else:
+                self._data_loss(
+                    tp, what + f"the new one has no partition {tp[1]}.", "drop it", offset
+                )
+        return restarted
 
     def _keep_unlisted(self, starts: dict[tuple[str, int], int], now: set) -> dict:
         """Partitions the query reads that this metadata answer does not list: a broker whose
@@ -246,14 +285,17 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """The batch's ranges, from the offset log alone, so a replay reads what the first run
         read. A partition missing from `start` joined in this batch with its start as its
         end; an end below its start restarts the partition: neither reads anything now."""
-        starts = _flat(start)
-        ranges = [OffsetRange(t, p, starts.get((t, p), e), e) for (t, p), e in _flat(end).items()]
+        starts = offsets.positions(start)
+        ranges = [
+            OffsetRange(t, p, starts.get((t, p), e), e)
+            for (t, p), e in offsets.positions(end).items()
+        ]
         return plan_tasks(ranges, self.parallelism)
 
     def commit(self, end: dict) -> None:
         """Publish progress to the consumer group so standard lag tooling sees it."""
         if self.group_id:
-            kafka_clients.commit_group_offsets(self.conf, self.group_id, _flat(end))
+            kafka_clients.commit_group_offsets(self.conf, self.group_id, offsets.positions(end))
 
     # -- reading (executors) -------------------------------------------------------------
 
@@ -425,14 +467,3 @@ def plan_tasks(ranges: list[OffsetRange], parallelism: int | None) -> list[ReadT
                 planned.append(ReadTask(tuple(current)))
                 current, room = [], next(shares, 0)
     return planned
-
-
-def _flat(offsets: Mapping) -> dict[tuple[str, int], int]:
-    return {(t, int(p)): int(o) for t, parts in offsets.items() for p, o in parts.items()}
-
-
-def _nest(flat: Mapping[tuple[str, int], int]) -> Offsets:
-    nested: Offsets = {}
-    for (t, p), o in sorted(flat.items()):
-        nested.setdefault(t, {})[str(p)] = int(o)
-    return nested

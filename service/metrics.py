@@ -18,7 +18,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from pyspark.sql.streaming import StreamingQueryListener
 
-from onceflow.connectors import errors, kafka_clients
+from onceflow.connectors import errors, kafka_clients, offsets
 from onceflow.connectors.checkpoint import CheckpointDir
 
 log = logging.getLogger("onceflow.metrics")
@@ -164,10 +164,10 @@ class PipelineListener(StreamingQueryListener):
             m.input_bytes.labels(app).inc(total - self.bytes_seen)
             self.bytes_seen = total
         lost = self.checkpoint.source_stats()
-        for position, offsets in lost.items():
+        for position, count in lost.items():
             topic, _, partition = position.rpartition("/")
             seen = self.data_loss_seen.get(position, 0)
-            m.data_loss.labels(app, topic, partition).inc(offsets - seen)
+            m.data_loss.labels(app, topic, partition).inc(count - seen)
         self.data_loss_seen = lost
         durations = progress.durationMs or {}
         plan_ms = sum(durations.get(k, 0) for k in ("latestOffset", "queryPlanning", "walCommit"))
@@ -194,9 +194,11 @@ class PipelineListener(StreamingQueryListener):
         m.phase_seconds.labels(app, "commit").observe(commit_ms / 1000)
         for source in progress.sources:
             _lag(m, app, source.endOffset, source.latestOffset)
-            for topic, partitions in json.loads(source.endOffset or "{}").items():
-                for partition, offset in partitions.items():
-                    self.processed_ends[(topic, int(partition))] = offset
+        self.processed_ends = {
+            tp: offset
+            for source in progress.sources
+            for tp, offset in offsets.positions(json.loads(source.endOffset or "{}")).items()
+        }
         watermark = (progress.eventTime or {}).get("watermark")
         seconds = (
             datetime.fromisoformat(watermark.replace("Z", "+00:00")).timestamp() if watermark else 0
@@ -248,11 +250,10 @@ class PipelineListener(StreamingQueryListener):
 def _lag(metrics: PipelineMetrics, app: str, end: str | None, latest: str | None) -> None:
     if not end or not latest:
         return
-    ends, latests = json.loads(end), json.loads(latest)
-    for topic, partitions in latests.items():
-        for partition, offset in partitions.items():
-            done = ends.get(topic, {}).get(partition, 0)
-            metrics.source_lag.labels(app, topic, partition).set(max(0, offset - done))
+    ends = offsets.positions(json.loads(end))
+    for (topic, partition), offset in offsets.positions(json.loads(latest)).items():
+        done = ends.get((topic, partition), 0)
+        metrics.source_lag.labels(app, topic, str(partition)).set(max(0, offset - done))
 
 
 def probe_lag(

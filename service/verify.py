@@ -38,6 +38,7 @@ from datetime import UTC, datetime
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from onceflow.connectors import offsets
 from onceflow.connectors.checkpoint import BatchPlan, CheckpointDir
 from onceflow.connectors.errors import OnceflowError, OptionError
 from onceflow.connectors.topics import read_committed
@@ -444,12 +445,10 @@ def _plan(checkpoint: CheckpointDir, batch_id: int) -> Batch | None:
 
 def _batch(plan: BatchPlan) -> Batch:
     ends = {
-        (topic, int(partition)): int(offset)
+        tp: offset
         for source in plan.source_offsets
         if isinstance(source, dict)
-        for topic, partitions in source.items()
-        if isinstance(partitions, dict)
-        for partition, offset in partitions.items()
+        for tp, offset in offsets.positions(source).items()
     }
     return Batch(plan.batch_id, ends, plan.watermark_ms)
 

@@ -10,7 +10,7 @@ import pytest
 from confluent_kafka import Producer, TopicPartition
 from pyspark.errors import StreamingQueryException
 
-from onceflow.connectors import kafka_clients
+from onceflow.connectors import kafka_clients, offsets
 from onceflow.connectors.checkpoint import CheckpointDir
 from onceflow.connectors.source import OffsetRange
 from tests.helpers import drain, produce, source_reader, wait_until
@@ -265,9 +265,11 @@ def _recreate(bootstrap: str, topic: str, partitions: int) -> None:
     wait_until(created, what="topic created again")
 
 
-def _read_then_recreate(spark, bootstrap: str, topic: str, checkpoint: str, **options) -> None:
-    """Read offsets 0..499 of partition 0, then recreate the topic with 300 new records."""
-    produce(bootstrap, topic, ((None, f"old{i}".encode(), 0) for i in range(500)))
+def _read_then_recreate(
+    spark, bootstrap: str, topic: str, checkpoint: str, read: int = 500, **options
+) -> None:
+    """Read offsets 0..read-1 of partition 0, then recreate the topic with 300 new records."""
+    produce(bootstrap, topic, ((None, f"old{i}".encode(), 0) for i in range(read)))
     drain(source_reader(spark, bootstrap, topic, **options), checkpoint)
     _recreate(bootstrap, topic, 1)
     produce(bootstrap, topic, ((None, f"new{i}".encode(), 0) for i in range(300)))
@@ -284,7 +286,37 @@ def test_a_recreated_topic_is_data_loss_naming_both_offsets(
         drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
     message = str(info.value)
     assert f"data loss on topic {topic} partition 0" in message
-    assert "expected offset 500 next" in message and "offsets [0, 300) only" in message
+    assert "deleted and created again" in message
+    assert "expected offset 500 next" in message and "holds offsets [0, 300)" in message
+
+
+def test_a_recreated_topic_refilled_past_the_checkpoint_is_data_loss(
+    spark, kafka_bootstrap, new_topic, tmp_path
+):
+    """The new topic already holds more records than the checkpoint's offset: only the
+    topic's id, written ahead beside the offsets, tells the two topics apart."""
+    topic = new_topic(partitions=1)
+    checkpoint = str(tmp_path / "ck")
+    _read_then_recreate(spark, kafka_bootstrap, topic, checkpoint, read=100)
+
+    with pytest.raises(StreamingQueryException) as info:
+        drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
+    message = str(info.value)
+    assert f"data loss on topic {topic} partition 0" in message
+    assert "deleted and created again" in message and "expected offset 100 next" in message
+
+
+def test_a_recreated_topic_refilled_past_the_checkpoint_is_read_whole_when_allowed(
+    spark, kafka_bootstrap, new_topic, tmp_path
+):
+    topic = new_topic(partitions=1)
+    checkpoint = str(tmp_path / "ck")
+    options = {"failOnDataLoss": "false", "checkpointLocation": checkpoint}
+    _read_then_recreate(spark, kafka_bootstrap, topic, checkpoint, read=100, **options)
+
+    rows, _ = drain(source_reader(spark, kafka_bootstrap, topic, **options), checkpoint)
+    assert records_of(rows) == {0: [(i, f"new{i}".encode()) for i in range(300)]}
+    assert CheckpointDir(checkpoint).source_stats() == {f"{topic}/0": 100}
 
 
 def test_a_recreated_topic_restarts_from_earliest_when_allowed(
@@ -349,10 +381,11 @@ def test_a_new_partition_starts_in_the_offset_log_before_it_is_read(kafka_bootst
     reader = KafkaStreamReader({"kafka.bootstrap.servers": kafka_bootstrap, "subscribe": topic})
     start = {topic: {"0": 1}}
     end = reader.latestOffset(start, ReadAllAvailable())
-    assert end == {topic: {"0": 4, "1": 0}}
+    assert offsets.positions(end) == {(topic, 0): 4, (topic, 1): 0}
     (task,) = reader.partitions(start, end)
     assert task.ranges == (OffsetRange(topic, 0, 1, 4),)
-    assert reader.latestOffset(end, ReadAllAvailable()) == {topic: {"0": 4, "1": 6}}
+    after = reader.latestOffset(end, ReadAllAvailable())
+    assert offsets.positions(after) == {(topic, 0): 4, (topic, 1): 6}
 
 
 def test_a_long_read_is_never_taken_for_a_stall(kafka_bootstrap, new_topic, monkeypatch):

@@ -1,0 +1,40 @@
+"""The source's offsets as Spark's offset log keeps them, and the only code that reads them.
+
+An offset is `{"topic": {"partition": next offset}}` as in Spark's Kafka source, plus the
+id of every topic under the key `@topicIds`. Kafka gives a topic that is deleted and created
+again a new id and restarts its offsets at 0: with the id written ahead beside the offsets,
+the source recognises a recreated topic even when the new one already holds more records than
+the checkpoint's offset ('@' cannot appear in a topic name, so the key names no topic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+TP = tuple[str, int]
+TOPIC_IDS = "@topicIds"
+
+
+def positions(logged: Mapping) -> dict[TP, int]:
+    """{(topic, partition): offset} of a logged offset."""
+    return {
+        (topic, int(p)): int(o)
+        for topic, partitions in logged.items()
+        if topic != TOPIC_IDS
+        for p, o in partitions.items()
+    }
+
+
+def topic_ids(logged: Mapping) -> dict[str, str]:
+    """{topic: id} of a logged offset; empty for one logged before ids were kept."""
+    return dict(logged.get(TOPIC_IDS, {}))
+
+
+def logged(offsets: Mapping[TP, int], ids: Mapping[str, str] | None = None) -> dict:
+    """The JSON-able offset Spark writes ahead: offsets nested per topic, then the topic ids."""
+    nested: dict = {}
+    for (t, p), o in sorted(offsets.items()):
+        nested.setdefault(t, {})[str(p)] = int(o)
+    if ids:
+        nested[TOPIC_IDS] = {t: ids[t] for t in sorted(ids)}
+    return nested
