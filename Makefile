@@ -3,12 +3,12 @@ VENV ?= .venv
 PYTHON ?= python3
 INSTALLED := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean constraints
 
-$(INSTALLED): pyproject.toml
+$(INSTALLED): pyproject.toml deploy/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --progress-bar off -e '.[test]'
+	$(VENV)/bin/python -m pip install --progress-bar off -c deploy/constraints.txt -e '.[test]'
 	touch $@
 
 setup: $(INSTALLED)
@@ -29,6 +29,14 @@ bench: $(INSTALLED)
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check service connectors tests examples bench
 	$(VENV)/bin/ruff format --check service connectors tests examples bench
+
+# Pin the newest runtime dependencies pyproject.toml allows (then run `make test` on them).
+constraints:
+	rm -rf build/pins && $(PYTHON) -m venv build/pins
+	build/pins/bin/python -m pip install --quiet --progress-bar off .
+	{ grep '^#' deploy/constraints.txt; build/pins/bin/python -m pip freeze --exclude onceflow; } \
+		> build/constraints.txt
+	mv build/constraints.txt deploy/constraints.txt && rm -rf build
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,12 +1,17 @@
-"""docker-compose.yml cannot drift from the code: its env, ports, volumes and health checks are
-checked against the service's own config schema (no Docker engine needed)."""
+"""docker-compose.yml and the image cannot drift from the code: the compose file is checked
+against the Compose Specification's schema, and its env, ports, volumes and health checks
+against the service's own config schema (no Docker engine needed)."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import tempfile
+from importlib import metadata
 from pathlib import Path
 
+import pytest
 import yaml
 
 from onceflow.config import apply_env_overrides, parse
@@ -22,13 +27,19 @@ def onceflow_config():
     service = SERVICES["onceflow"]
     mount = next(v for v in service["volumes"] if v.endswith(":/etc/onceflow/pipeline.yaml:ro"))
     raw = yaml.safe_load((REPO / mount.split(":")[0]).read_text())
-    apply_env_overrides(raw, service["environment"])
+    apply_env_overrides(raw, {k: _unset(v) for k, v in service["environment"].items()})
     return parse(raw)
+
+
+def _unset(value: str) -> str:
+    """A compose value as compose interpolates it when the variable is not set."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(value))
 
 
 def test_the_onceflow_service_runs_a_valid_pipeline_with_the_compose_environment():
     config = onceflow_config()
     assert config.bootstrap_servers == "kafka:9092"
+    assert config.spark_master == "local[*]"
     assert all(k.startswith("ONCEFLOW_") and "__" in k for k in SERVICES["onceflow"]["environment"])
 
 
@@ -118,3 +129,81 @@ def test_every_series_the_dashboard_uses_exists():
     dashboard = json.loads((REPO / "deploy/grafana/dashboards/onceflow.json").read_text())
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
     assert set(re.findall(r"onceflow_\w+", exprs)) <= names
+
+
+# The Compose Specification's JSON schema as docker compose embeds it (compose-go), fetched
+# through the Go module proxy: no Docker engine or compose plugin is needed to check the file.
+COMPOSE_GO = "github.com/compose-spec/compose-go/v2@v2.16.2"
+
+
+def compose_spec_schema() -> dict:
+    try:
+        result = subprocess.run(
+            ["go", "mod", "download", "-json", COMPOSE_GO],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tempfile.gettempdir(),  # outside any Go module
+        )
+    except FileNotFoundError:
+        pytest.fail("this check reads the Compose schema with `go mod download`: install Go")
+    assert result.returncode == 0, f"go mod download {COMPOSE_GO} failed: {result.stderr}"
+    directory = Path(json.loads(result.stdout)["Dir"])
+    return json.loads((directory / "schema" / "compose-spec.json").read_text())
+
+
+def test_the_compose_file_follows_the_compose_specification():
+    import jsonschema
+
+    schema = compose_spec_schema()
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    errors = [f"{'/'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(COMPOSE)]
+    assert errors == []
+    # The check can fail: a misspelt key is refused.
+    broken = {**COMPOSE, "services": {**SERVICES, "kafka": {**SERVICES["kafka"], "restrat": "no"}}}
+    assert not validator.is_valid(broken)
+
+
+def test_the_spark_cluster_profile_never_binds_loopback():
+    """Master, worker and driver run in three containers: each must bind and advertise its
+    own name. SPARK_LOCAL_IP=127.0.0.1 in the image made all three advertise loopback."""
+    dockerfile = (REPO / "deploy/Dockerfile").read_text()
+    assert not re.search(r"^ENV .*SPARK_LOCAL_IP", dockerfile, re.M)
+    for name, service in SERVICES.items():
+        assert "SPARK_LOCAL_IP" not in service.get("environment", {}), name
+    master, worker = SERVICES["spark-master"], SERVICES["spark-worker"]
+    assert master["entrypoint"][-2:] == ["--host", master["hostname"]]
+    assert worker["entrypoint"][-2:] == ["--host", worker["hostname"]]
+    assert f"spark://{master['hostname']}:7077" in worker["entrypoint"]
+    # The driver advertises its host name; the workers reach it by that name.
+    assert SERVICES["onceflow"]["hostname"] == "onceflow"
+    master_setting = SERVICES["onceflow"]["environment"]["ONCEFLOW_SPARK__MASTER"]
+    assert master_setting == "${ONCEFLOW_SPARK_MASTER:-local[*]}"
+
+
+def test_the_image_installs_the_dependencies_ci_tested_from_a_small_context():
+    dockerfile = (REPO / "deploy/Dockerfile").read_text()
+    pins = dict(
+        line.split("==")
+        for line in (REPO / "deploy/constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    # Every runtime dependency of the installed package is pinned, at the version tested here.
+    required = {
+        re.split(r"[\[<>=;! ]", r)[0].lower().replace("_", "-")
+        for r in metadata.requires("onceflow")
+        if "extra ==" not in r
+    }
+    pinned = {name.lower().replace("_", "-"): version for name, version in pins.items()}
+    assert required <= set(pinned)
+    assert {n: metadata.version(n) for n in pinned} == pinned
+    # Dependencies are a layer of their own, before the code is copied.
+    assert dockerfile.index("RUN pip install --no-cache-dir -r constraints.txt") < dockerfile.index(
+        "COPY service"
+    )
+    ignored = (REPO / ".dockerignore").read_text().splitlines()
+    assert "**" in ignored  # nothing is sent to the builder unless it is listed (.venv, .git)
+    for copied in re.findall(r"^COPY (.+) \S+$", dockerfile, re.M):
+        for path in copied.split():
+            assert f"!{path}" in ignored or f"!{path}/" in ignored, f"{path} is not in the context"
+    assert (REPO / "LICENSE").read_text().split()[:3] == ["Apache", "License", "Version"]
