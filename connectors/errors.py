@@ -46,6 +46,11 @@ class CheckpointClaimError(OnceflowError):
     """Another instance holds the checkpoint's lease."""
 
 
+class KafkaUnreachableError(OnceflowError):
+    """Kafka did not answer within the retry budget; the message names the address and the
+    client's last error (connection refused, name resolution, TLS, authentication)."""
+
+
 KINDS: dict[str, type[OnceflowError]] = {
     kind.__name__: kind
     for kind in (
@@ -56,6 +61,7 @@ KINDS: dict[str, type[OnceflowError]] = {
         CheckpointMismatchError,
         StagingError,
         CheckpointClaimError,
+        KafkaUnreachableError,
     )
 }
 _IN_TEXT = re.compile(r"(?:onceflow\S*\.)?(" + "|".join(KINDS) + r"): (.*)")

@@ -7,8 +7,13 @@ which Spark reuses across batches) keeps its clients here, keyed by their config
 
 from __future__ import annotations
 
+import base64
+import functools
 import logging
+import os
+import re
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 
@@ -24,16 +29,30 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 from tenacity import (
     retry,
     retry_if_exception,
-    stop_after_delay,
     wait_exponential,
 )
 
+from .errors import KafkaUnreachableError, OptionError
+
 log = logging.getLogger("onceflow.kafka")
+REPEAT_WINDOW_S = 30.0
 
 TP = tuple[str, int]
 REQUEST_TIMEOUT_S = 15
 PREFETCH_MESSAGES = 20_000
-RETRY_BUDGET_S = 60
+DEFAULT_RETRY_BUDGET_S = 60.0
+
+
+def retry_budget_s() -> float:
+    """How long a Kafka look-up is retried before the run fails: ONCEFLOW_KAFKA_TIMEOUT
+    (seconds). An environment variable, because Spark runs the source's planning in a Python
+    process of its own, which inherits the environment and nothing else."""
+    raw = os.environ.get("ONCEFLOW_KAFKA_TIMEOUT")
+    try:
+        return float(raw) if raw else DEFAULT_RETRY_BUDGET_S
+    except ValueError:
+        raise OptionError(f"ONCEFLOW_KAFKA_TIMEOUT={raw!r} is not a number of seconds") from None
+
 
 _lock = threading.Lock()
 _admins: dict[tuple, AdminClient] = {}
@@ -56,30 +75,100 @@ def _retriable(exc: BaseException) -> bool:
 
 def _unreachable(retry_state) -> None:
     exc = retry_state.outcome.exception()
-    raise KafkaException(
-        f"Kafka did not answer within {RETRY_BUDGET_S}s ({exc}); check the option "
-        "'kafka.bootstrap.servers' and that the broker is up"
+    conf = retry_state.args[0] if retry_state.args else {}
+    bootstrap = conf.get("bootstrap.servers", "?")
+    cause = _last_errors.get(bootstrap) or str(exc)
+    raise KafkaUnreachableError(
+        f"Kafka at {bootstrap} did not answer within "
+        f"{retry_budget_s():g}s; the client's last error: {cause}. Check kafka.bootstrap.servers, "
+        "that the broker is up, and the listener's security settings (kafka.security.protocol, "
+        "kafka.sasl.*, kafka.ssl.*)."
     ) from exc
 
 
 kafka_retry = retry(
     retry=retry_if_exception(_retriable),
     wait=wait_exponential(multiplier=0.2, max=5),
-    stop=stop_after_delay(RETRY_BUDGET_S),
+    stop=lambda state: state.seconds_since_start >= retry_budget_s(),
     retry_error_callback=_unreachable,
     reraise=False,
 )
+
+
+class _RepeatFilter(logging.Filter):
+    """Lets a librdkafka line through once per REPEAT_WINDOW_S, then says how many like it
+    were held back: an unreachable broker makes every client log the same failure many times
+    a second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.seen: dict[str, tuple[float, int]] = {}  # shape of a line -> (shown at, held)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        shape = re.sub(r"\d+", "#", message)
+        now = time.monotonic()
+        with self.lock:
+            shown, held = self.seen.get(shape, (float("-inf"), 0))
+            if now - shown < REPEAT_WINDOW_S:
+                self.seen[shape] = (shown, held + 1)
+                return False
+            if len(self.seen) > 1000:
+                self.seen.clear()
+            self.seen[shape] = (now, 0)
+        if held:
+            record.msg, record.args = f"{message} ({held} more like it held back)", ()
+        return True
+
+
+_repeats = _RepeatFilter()
+LIBRDKAFKA_LOG = logging.getLogger("onceflow.librdkafka")
+LIBRDKAFKA_LOG.addFilter(_repeats)
+
+
+_last_errors: dict[str, str] = {}  # bootstrap servers -> the last client error, for messages
+
+
+def client_conf(conf: dict[str, str]) -> dict:
+    """`conf` for a librdkafka client whose log goes through Python logging, de-duplicated,
+    instead of straight to stderr, and whose last error names why Kafka cannot be reached
+    (refused, name resolution, TLS, authentication).
+
+    librdkafka queues both until the client is polled: clients that are never polled
+    otherwise (the admin client) are polled after each call (see `_delivers_logs`)."""
+    bootstrap = conf.get("bootstrap.servers", "")
+
+    def remember(error) -> None:
+        _last_errors[bootstrap] = error.str()
+
+    return {**conf, "logger": LIBRDKAFKA_LOG, "error_cb": remember}
 
 
 def admin(conf: dict[str, str]) -> AdminClient:
     with _lock:
         key = _key(conf)
         if key not in _admins:
-            _admins[key] = AdminClient(conf)
+            _admins[key] = AdminClient(client_conf(conf))
         return _admins[key]
 
 
+def _delivers_logs(call):
+    """Poll the admin client after `call`: it delivers the log lines and errors librdkafka
+    queued meanwhile, which would otherwise wait, unbounded, for a poll that never comes."""
+
+    @functools.wraps(call)
+    def polled(conf: dict[str, str], *args, **kwargs):
+        try:
+            return call(conf, *args, **kwargs)
+        finally:
+            admin(conf).poll(0)
+
+    return polled
+
+
 @kafka_retry
+@_delivers_logs
 def metadata(conf: dict[str, str]):
     try:
         return admin(conf).list_topics(timeout=REQUEST_TIMEOUT_S)
@@ -90,26 +179,42 @@ def metadata(conf: dict[str, str]):
 
 
 @kafka_retry
-def topic_ids(conf: dict[str, str], topics: Iterable[str]) -> dict[str, str]:
-    """The id of each topic: a topic deleted and created again under its name gets a new one.
+@_delivers_logs
+def topic_ids(conf: dict[str, str], topics: Iterable[str]) -> dict[str, str | None]:
+    """The id of each topic, in Kafka's own text form (as `kafka-topics.sh --describe` shows
+    it): a topic deleted and created again under its name gets a new one.
 
-    A topic deleted since the metadata was read is left out.
+    None for a topic whose broker reports no id (brokers before Kafka 2.8); a topic deleted
+    since the metadata was read is left out.
     """
     names = sorted(set(topics))
     if not names:
         return {}
     futures = admin(conf).describe_topics(TopicCollection(names), request_timeout=REQUEST_TIMEOUT_S)
-    ids = {}
+    ids: dict[str, str | None] = {}
     for name, future in futures.items():
         try:
-            ids[name] = str(future.result().topic_id)
+            uuid_ = future.result().topic_id
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
                 raise
+            continue
+        ids[name] = _kafka_uuid(
+            uuid_.get_most_significant_bits(), uuid_.get_least_significant_bits()
+        )
     return ids
 
 
+def _kafka_uuid(msb: int, lsb: int) -> str | None:
+    """Kafka's Uuid.toString (URL-safe base64, no padding); None for the zero id."""
+    if msb == lsb == 0:
+        return None
+    raw = msb.to_bytes(8, "big", signed=msb < 0) + lsb.to_bytes(8, "big", signed=lsb < 0)
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
 @kafka_retry
+@_delivers_logs
 def _list_offsets(
     conf: dict[str, str],
     tps: Iterable[TP],
@@ -154,6 +259,7 @@ def range_consumer(conf: dict[str, str]) -> Consumer:
         if key not in _consumers:
             _consumers[key] = Consumer(
                 {
+                    "logger": LIBRDKAFKA_LOG,
                     "fetch.min.bytes": 1,
                     "fetch.wait.max.ms": 50,
                     # Prefetch about one Arrow batch: what is fetched past a range's end is
@@ -184,7 +290,9 @@ def commit_group_offsets(conf: dict[str, str], group_id: str, offsets: dict[TP, 
     key = _key(conf, "group", group_id)
     with _lock:
         if key not in _consumers:
-            _consumers[key] = Consumer({**conf, "group.id": group_id, "enable.auto.commit": False})
+            _consumers[key] = Consumer(
+                client_conf({**conf, "group.id": group_id, "enable.auto.commit": False})
+            )
         consumer = _consumers[key]
     try:
         consumer.commit(
@@ -193,3 +301,5 @@ def commit_group_offsets(conf: dict[str, str], group_id: str, offsets: dict[TP, 
         )
     except KafkaException as exc:
         log.warning("could not commit offsets to consumer group %s: %s", group_id, exc)
+    finally:
+        consumer.poll(0)  # delivers its queued log lines (nothing is assigned: no messages)

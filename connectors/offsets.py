@@ -30,11 +30,13 @@ def topic_ids(logged: Mapping) -> dict[str, str]:
     return dict(logged.get(TOPIC_IDS, {}))
 
 
-def logged(offsets: Mapping[TP, int], ids: Mapping[str, str] | None = None) -> dict:
-    """The JSON-able offset Spark writes ahead: offsets nested per topic, then the topic ids."""
+def logged(offsets: Mapping[TP, int], ids: Mapping[str, str | None] | None = None) -> dict:
+    """The JSON-able offset Spark writes ahead: offsets nested per topic, then the topic ids
+    (None: the broker reports no id). Spark compares offsets as text, so the order is fixed."""
     nested: dict = {}
     for (t, p), o in sorted(offsets.items()):
         nested.setdefault(t, {})[str(p)] = int(o)
-    if ids:
-        nested[TOPIC_IDS] = {t: ids[t] for t in sorted(ids)}
+    known = {t: ids[t] for t in sorted(ids or {}) if ids[t] is not None}
+    if known:
+        nested[TOPIC_IDS] = known
     return nested

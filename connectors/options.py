@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 
 from .errors import OptionError
+from .offsets import TOPIC_IDS
 
 # librdkafka settings the connectors own; a user value would break exactly-once.
 RESERVED_CONSUMER_KEYS = {"isolation.level", "enable.auto.commit", "group.id"}
@@ -78,6 +79,7 @@ def parse_starting_offsets(raw: str) -> str | dict[str, dict[str, int]]:
             f"option 'startingOffsets' JSON must map topic -> {{partition: offset}}, got {raw!r}"
         )
     result: dict[str, dict[str, int]] = {}
+    parsed.pop(TOPIC_IDS, None)  # offsets copied from a marker or the offset log carry them
     for topic, parts in parsed.items():
         if not isinstance(parts, dict):
             raise OptionError(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from . import faults
+from . import faults, kafka_clients
 from .errors import (
     CheckpointMismatchError,
     FencedError,
@@ -107,7 +107,7 @@ class EpochPublisher:
         """A producer, then the last marker read after it started (see the subclasses)."""
         if self.producer is None:
             ensure_marker_topic(self.conf, self.marker_topic)
-            producer = Producer(self.producer_config())
+            producer = Producer(kafka_clients.client_conf(self.producer_config()))
             self._init(producer)
             self.last = last_marker(
                 self.conf, self.marker_topic, self.transactional_id, 2 * self.timeout_s

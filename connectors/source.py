@@ -45,6 +45,7 @@ EARLIEST, LATEST = -2, -1  # as in Spark's startingOffsets JSON
 # One Arrow batch per librdkafka prefetch queue's worth of messages.
 ARROW_BATCH_ROWS = kafka_clients.PREFETCH_MESSAGES
 READ_STALL_TIMEOUT_S = 120.0
+LOOKUP_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -119,14 +120,13 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         "latest" (or "earliest", after retention) would answer differently."""
         if self.checkpoint is not None and (chosen := self.checkpoint.initial_offsets()):
             return chosen
-        tps = self._partitions_now()
-        ids = kafka_clients.topic_ids(self.conf, {t for t, _ in tps})
+        tps, ids, earliest, stable = self._look_up()
         if isinstance(self.starting, dict):
             starts = self._specific_offsets(tps, self.starting)
         elif self.starting == "earliest":
-            starts = kafka_clients.earliest(self.conf, tps)
+            starts = earliest
         else:
-            starts = kafka_clients.stable_ends(self.conf, tps)
+            starts = stable
         chosen = offsets.logged(starts, ids)
         if self.checkpoint is not None:
             self.checkpoint.save_initial_offsets(chosen)
@@ -161,11 +161,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         with its earliest offset as its end (nothing to read in this batch), and one whose
         offsets went backwards, or whose topic was recreated, is restarted the same way.
         """
-        tps = self._partitions_now()
-        ids_now = kafka_clients.topic_ids(self.conf, {t for t, _ in tps})
+        tps, ids_now, earliest, stable = self._look_up()
         starts, ids = offsets.positions(start), offsets.topic_ids(start)
-        earliest = kafka_clients.earliest(self.conf, tps)
-        stable = kafka_clients.stable_ends(self.conf, tps)
         recreated = self._check_recreated(starts, ids, ids_now, earliest, stable)
         unlisted = self._keep_unlisted(starts, set(tps))
         rewound = self._check_rewound(starts, earliest, stable)
@@ -183,6 +180,26 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._latest = offsets.logged(stable)
         read_topics = {t for t, _ in end}
         return offsets.logged(end, {t: i for t, i in (ids | ids_now).items() if t in read_topics})
+
+    def _look_up(self) -> tuple[list[TP], dict, dict[TP, int], dict[TP, int]]:
+        """The partitions, topic ids, earliest and stable offsets to plan with, all of one
+        incarnation of each topic: the ids are read before and after the offsets, and all
+        again if a topic was recreated in between. A topic deleted since the metadata answer
+        is left out (its partitions are held at their offsets, as unlisted ones are)."""
+        for _ in range(LOOKUP_ATTEMPTS):
+            tps = self._partitions_now()
+            ids = kafka_clients.topic_ids(self.conf, {t for t, _ in tps})
+            tps = [tp for tp in tps if tp[0] in ids]
+            earliest = kafka_clients.earliest(self.conf, tps)
+            stable = kafka_clients.stable_ends(self.conf, tps)
+            if kafka_clients.topic_ids(self.conf, ids) == ids:
+                return tps, ids, earliest, stable
+            log.warning("a subscribed topic was recreated while the batch was planned; again")
+        raise DataLossError(
+            f"subscribed topics were recreated {LOOKUP_ATTEMPTS} times while one batch was "
+            "planned; the query stops rather than read a mix of old and new topics. Start it "
+            "again once the topics are stable."
+        )
 
     def _data_loss(self, tp: tuple[str, int], what: str, fix: str, lost: int) -> None:
         """Fail naming the loss, or (failOnDataLoss=false) log it and count `lost` offsets."""
@@ -284,13 +301,37 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict) -> list[ReadTask]:
         """The batch's ranges, from the offset log alone, so a replay reads what the first run
         read. A partition missing from `start` joined in this batch with its start as its
-        end; an end below its start restarts the partition: neither reads anything now."""
+        end; an end below its start, or a new topic id in `end`, restarts the partition:
+        none of these reads anything now."""
         starts = offsets.positions(start)
-        ranges = [
-            OffsetRange(t, p, starts.get((t, p), e), e)
-            for (t, p), e in offsets.positions(end).items()
-        ]
-        return plan_tasks(ranges, self.parallelism)
+        start_ids, end_ids = offsets.topic_ids(start), offsets.topic_ids(end)
+        ranges = []
+        for (t, p), e in offsets.positions(end).items():
+            old, new = start_ids.get(t), end_ids.get(t)
+            restarted = old is not None and new is not None and old != new
+            ranges.append(OffsetRange(t, p, e if restarted else starts.get((t, p), e), e))
+        return plan_tasks(self._of_logged_topics(ranges, end_ids), self.parallelism)
+
+    def _of_logged_topics(self, ranges: list[OffsetRange], logged: dict) -> list[OffsetRange]:
+        """The ranges whose topic still has the id the batch was planned with. A topic
+        recreated since (while the app was down, before this batch is replayed) holds other
+        records at those offsets: its ranges are data loss, skipped with failOnDataLoss=false,
+        and the next batch restarts it from its earliest offset."""
+        planned = {r.topic for r in ranges if r.size > 0 and logged.get(r.topic)}
+        ids_now = kafka_clients.topic_ids(self.conf, planned)
+        recreated = {t for t in planned if ids_now.get(t) and ids_now[t] != logged[t]}
+        for r in ranges:
+            if r.topic in recreated and r.size > 0:
+                self._data_loss(
+                    (r.topic, r.partition),
+                    f"the topic was deleted and created again (topic id {logged[r.topic]} is "
+                    f"now {ids_now[r.topic]}) after this batch planned to read offsets "
+                    f"[{r.start}, {r.end}) of the old topic.",
+                    "skip the range (the next batch restarts the partition from its earliest "
+                    "offset)",
+                    r.size,
+                )
+        return [r for r in ranges if r.topic not in recreated]
 
     def commit(self, end: dict) -> None:
         """Publish progress to the consumer group so standard lag tooling sees it."""

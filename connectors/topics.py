@@ -56,7 +56,7 @@ def read_committed(conf: dict[str, str] | str, topic: str, timeout: float = 60.0
     ends = kafka_clients.stable_ends(conf, [(topic, p) for p in sorted(meta.partitions)])
     consumer = Consumer(
         {
-            **conf,
+            **kafka_clients.client_conf(conf),
             "group.id": f"onceflow-reader-{uuid.uuid4()}",
             "isolation.level": "read_committed",
             "enable.auto.commit": False,

@@ -1,9 +1,17 @@
-"""The `onceflow` command line. Exit codes: 0 ok, 2 bad configuration, 1 runtime failure."""
+"""The `onceflow` command line.
+
+Exit codes: 0 ok; 1 runtime failure (the last line says what failed and what to do); 2 bad
+configuration; 3 `kafka status`: the local broker is not running; 4 `verify`: the output is
+not exactly once; 130 stopped by Ctrl-C (`run` finishes its current epoch first).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from importlib import metadata
 
 from onceflow.connectors.errors import EXIT_BAD_CONFIG, EXIT_FAILURE, OnceflowError
 
@@ -12,6 +20,9 @@ from . import logs
 from .local_kafka import LocalKafka, LocalKafkaError
 
 EXIT_OK = 0
+EXIT_BROKER_NOT_RUNNING = 3
+EXIT_NOT_EXACTLY_ONCE = 4
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 def _kafka(args: argparse.Namespace) -> int:
@@ -24,7 +35,7 @@ def _kafka(args: argparse.Namespace) -> int:
     else:
         state = broker.status()
         print(state)
-        return EXIT_OK if state.startswith("running") else 3
+        return EXIT_OK if state.startswith("running") else EXIT_BROKER_NOT_RUNNING
     return EXIT_OK
 
 
@@ -62,8 +73,8 @@ def _verify(args: argparse.Namespace) -> int:
         config.sink.late_topic,
         windows,
     )
-    print(report.summary())
-    return EXIT_OK if report.ok else EXIT_FAILURE
+    print(json.dumps(report.as_json(), indent=2) if args.json else report.summary())
+    return EXIT_OK if report.ok else EXIT_NOT_EXACTLY_ONCE
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -73,7 +84,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onceflow", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="onceflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"onceflow {_version()}")
+    parser.add_argument(
+        "--log-level",
+        choices=logs.LEVELS,
+        default=os.environ.get("ONCEFLOW_LOG_LEVEL", "info").lower(),
+        help="debug also prints stack traces of failures (default: $ONCEFLOW_LOG_LEVEL or info)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run a pipeline until SIGTERM/SIGINT")
@@ -93,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         "verify", help="check an app's output topics for duplicates, loss and accounting"
     )
     verify.add_argument("pipeline")
+    verify.add_argument("--json", action="store_true", help="print the report as JSON")
     verify.set_defaults(handler=_verify)
 
     demo = commands.add_parser("demo", help="local broker + click stream + windowed pipeline")
@@ -102,14 +123,30 @@ def build_parser() -> argparse.ArgumentParser:
     kafka = commands.add_parser(
         "kafka", help="a local single-node Apache Kafka broker (jars from Maven Central)"
     )
-    kafka.add_argument("action", choices=["start", "stop", "status"])
+    kafka.add_argument(
+        "action", choices=["start", "stop", "status"], help="status exits 0 running, 3 not"
+    )
     kafka.set_defaults(handler=_kafka)
     return parser
 
 
+def _version() -> str:
+    try:
+        return metadata.version("onceflow")
+    except metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logs.configure()
+    if args.log_level not in logs.LEVELS:
+        levels = ", ".join(logs.LEVELS)
+        print(
+            f"onceflow: ONCEFLOW_LOG_LEVEL={args.log_level!r} is not one of {levels}",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_CONFIG
+    logs.configure(args.log_level)
     try:
         return args.handler(args)
     except pipeline_config.ConfigError as exc:
@@ -122,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"onceflow: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
-        return EXIT_FAILURE
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

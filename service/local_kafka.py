@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -101,6 +102,12 @@ class LocalKafka:
 
     @classmethod
     def from_env(cls) -> LocalKafka:
+        if not sys.platform.startswith("linux"):
+            raise LocalKafkaError(
+                "the local broker runs on Linux only (it tracks its process through /proc); "
+                "elsewhere start Kafka with `docker compose up -d kafka` and point "
+                "KAFKA_BOOTSTRAP_SERVERS (tests) or kafka.bootstrap_servers at localhost:9094"
+            )
         home = os.environ.get("ONCEFLOW_HOME") or Path.home() / ".cache" / "onceflow"
         port = int(os.environ.get("ONCEFLOW_KAFKA_PORT", DEFAULT_PORT))
         return cls(Path(home), port)

@@ -11,6 +11,7 @@ import os
 import time
 
 EXTRA_FIELDS = ("app", "batch_id", "offsets", "input_records", "duration_ms")
+LEVELS = ("debug", "info", "warning", "error")
 
 
 class JsonFormatter(logging.Formatter):
@@ -29,11 +30,11 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
-def configure() -> None:
+def configure(level: str = "info") -> None:
     handler = logging.StreamHandler()
     if os.environ.get("ONCEFLOW_LOG_FORMAT", "").lower() == "json":
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     logging.getLogger("py4j").setLevel(logging.WARNING)

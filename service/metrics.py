@@ -16,6 +16,7 @@ from datetime import datetime
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from pyspark.sql.streaming import StreamingQueryListener
 
 from onceflow.connectors import errors, kafka_clients, offsets
@@ -310,6 +311,9 @@ def serve(
             return [reason.encode() + b"\n"]
         return prometheus(environ, start_response)
 
-    server = make_server("0.0.0.0", port, app, handler_class=_QuietHandler)
+    # One thread per request: a slow scrape never holds up /healthz.
+    server = make_server(
+        "0.0.0.0", port, app, server_class=ThreadingWSGIServer, handler_class=_QuietHandler
+    )
     threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
     return server

@@ -40,7 +40,8 @@ def run(
 ) -> None:
     """Run until the backlog is drained (available_now), SIGTERM/SIGINT or `stop` is set.
 
-    Raises PipelineFailed when the query dies.
+    Raises PipelineFailed when the query dies, and KeyboardInterrupt after a SIGINT (Ctrl-C),
+    so that the CLI exits 130 as shells expect.
     """
     lease = acquire(config)
     faults.watch_state_store_commits(config.checkpoint_location)
@@ -55,9 +56,15 @@ def run(
     lag_probe = probe_lag(metrics, listener, dict(config.kafka))
     stop = stop or threading.Event()
     handlers = {}
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame) -> None:
+        received.append(signum)
+        stop.set()
+
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
-            handlers[sig] = signal.signal(sig, lambda *_: stop.set())
+            handlers[sig] = signal.signal(sig, on_signal)
     try:
         query = pipeline.start(spark, config, available_now, input_bytes)
         log.info("query %s started (checkpoint %s)", config.app_id, config.checkpoint_location)
@@ -71,6 +78,10 @@ def run(
             raise PipelineFailed(errors.describe(cause), cause)
         if stop.is_set() and query.isActive:
             _stop_after_current_epoch(query)
+        if signal.SIGINT in received:
+            # A terminal's Ctrl-C also interrupts Spark's Python workers, so the current
+            # epoch may have failed: it is replayed on restart, as after any stop.
+            raise KeyboardInterrupt
         error = query.exception()
         if error is not None:
             raise failure(str(error))
@@ -118,7 +129,7 @@ def _stop_after_current_epoch(query) -> None:
     """Let the running epoch commit, then stop.
 
     Waiting for an idle trigger is not enough: with a backlog the next epoch starts at once,
-    and the service went on for 15 more epochs after SIGTERM (fault run, 2026-11-22). So wait
+    and the service would go on for epoch after epoch. So wait
     for the running epoch's progress; an epoch that began meanwhile is interrupted by the stop
     and replayed from the offset log on restart, as after any stop. The epoch is named by
     number: the "epoch N done" lines come from the listener, asynchronously, and may be

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -39,9 +40,32 @@ def build_session(
     for key, value in {**DEFAULT_CONF, **(conf or {})}.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("WARN")
+    quiet_spark_logs(spark)
     register_data_source(spark)
     return spark
+
+
+# Spark loggers that print a failed task's or query's stack trace: onceflow reports the
+# failure itself, in one line that says what to do next.
+FAILURE_TRACE_LOGGERS = (
+    "org.apache.spark.executor.Executor",
+    "org.apache.spark.scheduler.TaskSetManager",
+    "org.apache.spark.sql.execution.streaming",
+    "org.apache.spark.sql.execution.datasources.v2",
+)
+
+
+def quiet_spark_logs(spark) -> None:
+    """Spark's warnings and errors, without failure stack traces, unless onceflow logs at
+    debug level (`--log-level debug`), which shows them all."""
+    if logging.getLogger("onceflow").isEnabledFor(logging.DEBUG):
+        spark.sparkContext.setLogLevel("WARN")
+        return
+    spark.sparkContext.setLogLevel("ERROR")
+    jvm = spark.sparkContext._jvm
+    off = jvm.org.apache.logging.log4j.Level.OFF
+    for name in FAILURE_TRACE_LOGGERS:
+        jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(name, off)
 
 
 def register_data_source(spark) -> None:

@@ -33,7 +33,7 @@ import math
 from bisect import bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -118,6 +118,13 @@ class Report:
         lines += [f"note: {note}" for note in self.notes]
         lines.append("OK: exactly once" if self.ok else f"FAILED: not exactly once ({self._why()})")
         return "\n".join(lines)
+
+    def as_json(self) -> dict:
+        """The report for scripts: every count, the examples, and the verdict."""
+        report = asdict(self)
+        report |= {"unaccounted": self.unaccounted, "ok": self.ok}
+        report["why"] = None if self.ok else self._why()
+        return report
 
     def _watermark(self) -> str:
         if self.watermark_ms is None:
@@ -447,7 +454,7 @@ def _batch(plan: BatchPlan) -> Batch:
     ends = {
         tp: offset
         for source in plan.source_offsets
-        if isinstance(source, dict)
+        if isinstance(source, dict) and all(isinstance(v, dict) for v in source.values())
         for tp, offset in offsets.positions(source).items()
     }
     return Batch(plan.batch_id, ends, plan.watermark_ms)

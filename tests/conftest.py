@@ -37,7 +37,8 @@ def pytest_addoption(parser) -> None:
     parser.addoption(
         "--long",
         action="store_true",
-        help="fault suite: the full matrix (more records, every fault point, 10+ kills)",
+        help="the full fault matrix: more records, every fault point (also in the sink's "
+        "crash tests), 10+ random kills, pass-through and windowed",
     )
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from onceflow.connectors.faults import POINTS, STATELESS_POINTS
+from onceflow.connectors.faults import POINTS, STATE_STORE_POINT, STATELESS_POINTS
 from onceflow.connectors.topics import read_committed
 from onceflow.verify import verify
 from tests.helpers import produce, wait_until
@@ -222,21 +222,24 @@ def crash_at_then_recover(app: Scenario, point: str, windowed: bool) -> None:
         app.check_pass_through()
 
 
-@pytest.mark.parametrize("point", POINTS)
-def test_kill_at_every_fault_point_windowed(app, point):
-    crash_at_then_recover(app, point, windowed=True)
+def test_kill_at_every_fault_point_windowed(app, windowed_point):
+    crash_at_then_recover(app, windowed_point, windowed=True)
 
 
 def pytest_generate_tests(metafunc) -> None:
-    """CI kills each of these pipelines at its most replay-sensitive point; --long at all."""
+    """CI kills each pipeline at its most replay-sensitive points (a windowed one after its
+    side records are staged, after the commit and inside the state store commit; the sink's
+    own tests kill pass-through apps before the commit); --long at all."""
     long = metafunc.config.getoption("--long")
     for name, every, ci in (
-        ("pass_through_point", STATELESS_POINTS, "after_kafka_commit"),
-        ("update_mode_point", UPDATE_MODE_POINTS, "after_kafka_commit"),
-        ("at_least_once_point", STATELESS_POINTS, "before_kafka_commit"),
+        ("windowed_point", POINTS, ["after_prepare", "after_kafka_commit", STATE_STORE_POINT]),
+        ("pass_through_point", STATELESS_POINTS, ["after_kafka_commit"]),
+        ("update_mode_point", UPDATE_MODE_POINTS, ["after_kafka_commit"]),
+        ("at_least_once_point", STATELESS_POINTS, ["before_kafka_commit"]),
+        ("random_kills_pipeline", ["pass-through", "windowed"], ["windowed"]),
     ):
         if name in metafunc.fixturenames:
-            metafunc.parametrize(name, every if long else [ci])
+            metafunc.parametrize(name, every if long else ci)
 
 
 def test_kill_at_every_fault_point_pass_through(app, pass_through_point):
@@ -274,11 +277,11 @@ def test_kill_at_every_fault_point_at_least_once(app, at_least_once_point):
         assert report.duplicates, "the kill did not land between the records and the marker"
 
 
-@pytest.mark.parametrize("windowed", [False, True], ids=["pass-through", "windowed"])
-def test_random_sigkills_then_restart_from_the_same_checkpoint(app, windowed, request):
+def test_random_sigkills_then_restart_from_the_same_checkpoint(app, random_kills_pipeline):
     """Each kill lands at a random moment after the run's first committed epoch, while a
     backlog remains (epochs are small enough for several per run), so it can hit any step
     of an epoch, or the gap between two."""
+    windowed = random_kills_pipeline == "windowed"
     kills = 12 if app.long else 2
     seed = int(os.environ.get("ONCEFLOW_FAULT_SEED", "20261121"))
     rng = random.Random(seed)
@@ -329,6 +332,19 @@ def test_sigterm_finishes_the_epoch_and_exits_0(app):
     assert max(int(n) for n in re.findall(r"epoch (\d+) done", log)) == last, service.tail()
     app.drain(pipeline)
     app.check_pass_through()
+
+
+def test_ctrl_c_exits_130(app):
+    """Ctrl-C in a terminal signals the whole process group: the driver stops the query,
+    Spark's Python workers are interrupted mid-task (the epoch is replayed on restart, as
+    after the kills above)."""
+    pipeline = app.pipeline(windowed=False)
+    service = app.service(pipeline)
+    out = app.topics["out"]
+    wait_until(lambda: len(read_committed(app.bootstrap, out)) > 0, 120, "first committed epoch")
+    os.killpg(service.process.pid, signal.SIGINT)
+    assert service.wait() == 130, service.tail()
+    assert "Traceback" not in service.tail(), service.tail()
 
 
 def _logged_epoch(pattern: str, log: str, service) -> int:

@@ -422,3 +422,75 @@ def test_a_missing_input_topic_is_a_clear_runtime_error(kafka_bootstrap, tmp_pat
     assert last.startswith(
         "onceflow: OptionError: option 'subscribe': topic(s) no-such-topic-at-all do not exist"
     ), result.stderr[-3000:]
+
+
+def test_verify_exits_4_with_a_json_report_when_a_record_is_published_twice(
+    kafka_bootstrap, new_topic, tmp_path
+):
+    import yaml
+    from confluent_kafka import Producer
+
+    source, out = new_topic(prefix="in"), new_topic(prefix="out")
+    produce(kafka_bootstrap, source, ((None, f"v{i}".encode(), 0) for i in range(3)))
+    path = tmp_path / "pipeline.yaml"
+    raw = {
+        "app_id": "verified",
+        "kafka": {"bootstrap_servers": kafka_bootstrap},
+        "source": {"topics": [source], "format": "raw"},
+        "sink": {"topic": out},
+        "checkpoint": {"location": str(tmp_path / "ck")},
+    }
+    path.write_text(yaml.safe_dump(raw))
+
+    def publish(offsets: list[int]) -> None:
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        for i in offsets:
+            headers = [("onceflow.source", f"{source}/0/{i}".encode())]
+            producer.produce(out, value=f"v{i}".encode(), headers=headers)
+        assert producer.flush(30) == 0
+
+    publish([0, 1, 2])
+    result = cli("verify", "--json", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["ok"] is True
+
+    publish([1])  # offset 1 published a second time
+    result = cli("verify", "--json", str(path))
+    assert result.returncode == 4, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is False and report["duplicates"] == [f"{source}/0/1 x2"]
+
+
+def test_an_unreachable_broker_ends_in_one_line_naming_the_address_and_the_cause(tmp_path):
+    """No wall of librdkafka lines and stack traces: the last line says what failed and what
+    to check, after ONCEFLOW_KAFKA_TIMEOUT."""
+    import os
+
+    import yaml
+
+    raw = {
+        "app_id": "unreachable",
+        "kafka": {"bootstrap_servers": "127.0.0.1:1"},
+        "source": {"topics": ["in"], "format": "raw"},
+        "sink": {"topic": "out"},
+        "checkpoint": {"location": str(tmp_path / "ck")},
+        "spark": {"master": "local[1]"},
+        "metrics": {"port": 0},
+    }
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    result = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", "run", "--available-now", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ONCEFLOW_KAFKA_TIMEOUT": "5"},
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "onceflow: KafkaUnreachableError: Kafka at 127.0.0.1:1 did not answer within 5s"
+    ), result.stderr[-3000:]
+    assert "Connection refused" in last, last
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(result.stderr.splitlines()) < 30, result.stderr[-3000:]

@@ -336,6 +336,49 @@ def test_a_recreated_topic_restarts_from_earliest_when_allowed(
     assert records_of(rows) == {0: [(300 + i, f"later{i}".encode()) for i in range(5)]}
 
 
+@pytest.mark.parametrize("fail_on_data_loss", [True, False])
+def test_a_batch_replayed_after_its_topic_was_recreated_reads_nothing_of_the_new_topic(
+    kafka_bootstrap, new_topic, tmp_path, fail_on_data_loss
+):
+    """The app stopped after batch N was written ahead; the topic was recreated and refilled
+    past N's end before it came back. Replaying N must not read the new topic's records at
+    the old offsets (the next batch restarts the partition from its earliest offset and
+    would read them again)."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    from onceflow.connectors.errors import DataLossError
+    from onceflow.connectors.source import KafkaStreamReader
+
+    topic = new_topic(partitions=1)
+    produce(kafka_bootstrap, topic, ((None, f"old{i}".encode(), 0) for i in range(50)))
+    checkpoint = CheckpointDir(tmp_path / "ck")
+    reader = KafkaStreamReader(
+        {
+            "kafka.bootstrap.servers": kafka_bootstrap,
+            "subscribe": topic,
+            "startingOffsets": "earliest",
+            "failOnDataLoss": str(fail_on_data_loss).lower(),
+            "checkpointLocation": str(tmp_path / "ck"),
+        }
+    )
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, ReadAllAvailable())  # batch N: [0, 50), written ahead
+    _recreate(kafka_bootstrap, topic, 1)
+    produce(kafka_bootstrap, topic, ((None, f"new{i}".encode(), 0) for i in range(80)))
+
+    if fail_on_data_loss:
+        with pytest.raises(DataLossError, match=r"after this batch planned to read offsets"):
+            reader.partitions(start, end)
+        return
+    assert reader.partitions(start, end) == []
+    assert checkpoint.source_stats() == {f"{topic}/0": 50}
+    restart = reader.latestOffset(end, ReadAllAvailable())  # N+1 restarts the partition at 0
+    assert offsets.positions(restart) == {(topic, 0): 0}
+    assert reader.partitions(end, restart) == []
+    (task,) = reader.partitions(restart, reader.latestOffset(restart, ReadAllAvailable()))
+    assert task.ranges == (OffsetRange(topic, 0, 0, 80),)  # every new record, once
+
+
 def test_a_read_never_delivers_an_offset_outside_its_range(kafka_bootstrap, new_topic, tmp_path):
     """A range whose offsets are gone when it is read (the topic was recreated after the
     batch was planned): nothing below its start is delivered, and the gone offsets count."""

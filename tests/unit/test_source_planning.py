@@ -1,6 +1,7 @@
 """Pure planning logic of the source: admission control, read tasks, option parsing."""
 
 import itertools
+import json
 
 import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
@@ -93,3 +94,37 @@ def test_kafka_conf_strips_the_prefix_and_guards_exactly_once_settings():
         )
     with pytest.raises(OptionError, match="kafka.bootstrap.servers"):
         kafka_conf({}, set())
+
+
+def test_topic_ids_are_written_in_kafkas_own_form_and_unknown_ones_are_left_out():
+    from onceflow.connectors import offsets
+    from onceflow.connectors.kafka_clients import _kafka_uuid
+
+    assert _kafka_uuid(0, 1) == "AAAAAAAAAAAAAAAAAAAAAQ"
+    assert _kafka_uuid(-1, -1) == "_____________________w"  # URL-safe base64, as Kafka prints
+    assert _kafka_uuid(0, 0) is None  # brokers before 2.8 report no id
+    logged = offsets.logged({("b", 1): 5, ("a", 0): 3}, {"b": "id-b", "a": None})
+    assert json.dumps(logged) == '{"a": {"0": 3}, "b": {"1": 5}, "@topicIds": {"b": "id-b"}}'
+    assert offsets.positions(logged) == {("a", 0): 3, ("b", 1): 5}
+    assert offsets.topic_ids(logged) == {"b": "id-b"}
+
+
+def test_starting_offsets_copied_from_the_offset_log_may_carry_topic_ids():
+    raw = '{"a": {"0": 5}, "@topicIds": {"a": "AAAAAAAAAAAAAAAAAAAAAQ"}}'
+    assert parse_starting_offsets(raw) == {"a": {"0": 5}}
+
+
+def test_planning_looks_up_again_when_a_topic_is_recreated_meanwhile(monkeypatch):
+    """Ids are read before and after the offsets: offsets of a topic recreated in between
+    would belong to the new topic while the ids said the old one."""
+    from onceflow.connectors import kafka_clients
+    from onceflow.connectors.source import KafkaStreamReader
+
+    answers = iter([{"t": "old"}, {"t": "new"}, {"t": "new"}, {"t": "new"}])
+    monkeypatch.setattr(kafka_clients, "topic_ids", lambda conf, topics: next(answers))
+    ends = iter([{("t", 0): 900}, {("t", 0): 7}])
+    monkeypatch.setattr(kafka_clients, "earliest", lambda conf, tps: {tp: 0 for tp in tps})
+    monkeypatch.setattr(kafka_clients, "stable_ends", lambda conf, tps: next(ends))
+    reader = KafkaStreamReader({"kafka.bootstrap.servers": "x:1", "subscribe": "t"})
+    monkeypatch.setattr(reader, "_partitions_now", lambda: [("t", 0)])
+    assert reader._look_up() == ([("t", 0)], {"t": "new"}, {("t", 0): 0}, {("t", 0): 7})
