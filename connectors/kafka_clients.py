@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import functools
 import logging
+import math
 import os
 import re
 import threading
@@ -36,6 +37,8 @@ from .errors import KafkaUnreachableError, OptionError
 
 log = logging.getLogger("onceflow.kafka")
 REPEAT_WINDOW_S = 30.0
+# The parts of a librdkafka line that change between repeats of one event.
+VOLATILE = re.compile(r"after \d+ms|\d+ identical error\(s\) suppressed|\d+/\d+ brokers")
 
 TP = tuple[str, int]
 REQUEST_TIMEOUT_S = 15
@@ -48,10 +51,18 @@ def retry_budget_s() -> float:
     (seconds). An environment variable, because Spark runs the source's planning in a Python
     process of its own, which inherits the environment and nothing else."""
     raw = os.environ.get("ONCEFLOW_KAFKA_TIMEOUT")
+    if not raw:
+        return DEFAULT_RETRY_BUDGET_S
     try:
-        return float(raw) if raw else DEFAULT_RETRY_BUDGET_S
+        seconds = float(raw)
     except ValueError:
-        raise OptionError(f"ONCEFLOW_KAFKA_TIMEOUT={raw!r} is not a number of seconds") from None
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise OptionError(
+            f"ONCEFLOW_KAFKA_TIMEOUT={raw!r} is not a positive number of seconds; unset it for "
+            f"the default ({DEFAULT_RETRY_BUDGET_S:g})"
+        )
+    return seconds
 
 
 _lock = threading.Lock()
@@ -77,12 +88,19 @@ def _unreachable(retry_state) -> None:
     exc = retry_state.outcome.exception()
     conf = retry_state.args[0] if retry_state.args else {}
     bootstrap = conf.get("bootstrap.servers", "?")
-    cause = _last_errors.get(bootstrap) or str(exc)
+    budget = f"{retry_budget_s():g}s"
+    code = exc.args[0].code() if exc.args and isinstance(exc.args[0], KafkaError) else None
+    if code not in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN):
+        raise KafkaUnreachableError(
+            f"a request to Kafka at {bootstrap} kept failing for {budget}: {exc}. Check that "
+            "every partition of the subscribed topics has a leader."
+        ) from exc
+    when, error = _last_errors.get(bootstrap, (0.0, None))
+    cause = error if error and when >= retry_state.start_time else str(exc)
     raise KafkaUnreachableError(
-        f"Kafka at {bootstrap} did not answer within "
-        f"{retry_budget_s():g}s; the client's last error: {cause}. Check kafka.bootstrap.servers, "
-        "that the broker is up, and the listener's security settings (kafka.security.protocol, "
-        "kafka.sasl.*, kafka.ssl.*)."
+        f"Kafka at {bootstrap} did not answer within {budget}; the client's last error: "
+        f"{cause}. Check kafka.bootstrap.servers, that the broker is up, and the listener's "
+        "security settings (kafka.security.protocol, kafka.sasl.*, kafka.ssl.*)."
     ) from exc
 
 
@@ -107,7 +125,7 @@ class _RepeatFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        shape = re.sub(r"\d+", "#", message)
+        shape = VOLATILE.sub("#", message)
         now = time.monotonic()
         with self.lock:
             shown, held = self.seen.get(shape, (float("-inf"), 0))
@@ -127,7 +145,8 @@ LIBRDKAFKA_LOG = logging.getLogger("onceflow.librdkafka")
 LIBRDKAFKA_LOG.addFilter(_repeats)
 
 
-_last_errors: dict[str, str] = {}  # bootstrap servers -> the last client error, for messages
+# bootstrap servers -> (time.monotonic(), the client's last error): names why Kafka is unreachable
+_last_errors: dict[str, tuple[float, str]] = {}
 
 
 def client_conf(conf: dict[str, str]) -> dict:
@@ -140,7 +159,7 @@ def client_conf(conf: dict[str, str]) -> dict:
     bootstrap = conf.get("bootstrap.servers", "")
 
     def remember(error) -> None:
-        _last_errors[bootstrap] = error.str()
+        _last_errors[bootstrap] = (time.monotonic(), error.str())
 
     return {**conf, "logger": LIBRDKAFKA_LOG, "error_cb": remember}
 

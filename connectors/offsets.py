@@ -5,6 +5,8 @@ id of every topic under the key `@topicIds`. Kafka gives a topic that is deleted
 again a new id and restarts its offsets at 0: with the id written ahead beside the offsets,
 the source recognises a recreated topic even when the new one already holds more records than
 the checkpoint's offset ('@' cannot appear in a topic name, so the key names no topic).
+Ids a topic had before it was recreated are kept under `@retiredTopicIds`: a broker whose
+metadata lags may still answer with one, and that answer must not count as another recreation.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Mapping
 
 TP = tuple[str, int]
 TOPIC_IDS = "@topicIds"
+RETIRED_IDS = "@retiredTopicIds"
+RETIRED_KEPT = 5  # per topic, the newest
 
 
 def positions(logged: Mapping) -> dict[TP, int]:
@@ -20,7 +24,7 @@ def positions(logged: Mapping) -> dict[TP, int]:
     return {
         (topic, int(p)): int(o)
         for topic, partitions in logged.items()
-        if topic != TOPIC_IDS
+        if not topic.startswith("@")
         for p, o in partitions.items()
     }
 
@@ -30,13 +34,26 @@ def topic_ids(logged: Mapping) -> dict[str, str]:
     return dict(logged.get(TOPIC_IDS, {}))
 
 
-def logged(offsets: Mapping[TP, int], ids: Mapping[str, str | None] | None = None) -> dict:
+def retired_ids(logged: Mapping) -> dict[str, list[str]]:
+    """{topic: ids it had before it was recreated, oldest first} of a logged offset."""
+    return {t: list(ids) for t, ids in logged.get(RETIRED_IDS, {}).items()}
+
+
+def logged(
+    offsets: Mapping[TP, int],
+    ids: Mapping[str, str | None] | None = None,
+    retired: Mapping[str, list[str]] | None = None,
+) -> dict:
     """The JSON-able offset Spark writes ahead: offsets nested per topic, then the topic ids
-    (None: the broker reports no id). Spark compares offsets as text, so the order is fixed."""
+    (None: the broker reports no id) and the retired ones. Spark compares offsets as text, so
+    the order is fixed."""
     nested: dict = {}
     for (t, p), o in sorted(offsets.items()):
         nested.setdefault(t, {})[str(p)] = int(o)
     known = {t: ids[t] for t in sorted(ids or {}) if ids[t] is not None}
     if known:
         nested[TOPIC_IDS] = known
+    kept = {t: list(retired[t])[-RETIRED_KEPT:] for t in sorted(retired or {}) if retired[t]}
+    if kept:
+        nested[RETIRED_IDS] = kept
     return nested

@@ -11,7 +11,6 @@ import json
 from collections.abc import Mapping
 
 from .errors import OptionError
-from .offsets import TOPIC_IDS
 
 # librdkafka settings the connectors own; a user value would break exactly-once.
 RESERVED_CONSUMER_KEYS = {"isolation.level", "enable.auto.commit", "group.id"}
@@ -79,7 +78,8 @@ def parse_starting_offsets(raw: str) -> str | dict[str, dict[str, int]]:
             f"option 'startingOffsets' JSON must map topic -> {{partition: offset}}, got {raw!r}"
         )
     result: dict[str, dict[str, int]] = {}
-    parsed.pop(TOPIC_IDS, None)  # offsets copied from a marker or the offset log carry them
+    # Offsets copied from a marker or the offset log carry topic ids under '@' keys.
+    parsed = {t: parts for t, parts in parsed.items() if not t.startswith("@")}
     for topic, parts in parsed.items():
         if not isinstance(parts, dict):
             raise OptionError(

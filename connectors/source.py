@@ -26,7 +26,7 @@ from pyspark.sql.streaming.datasource import (
 
 from . import kafka_clients, offsets
 from .checkpoint import CheckpointDir
-from .errors import DataLossError, OptionError
+from .errors import DataLossError, OnceflowError, OptionError
 from .options import (
     RESERVED_CONSUMER_KEYS,
     get_bool,
@@ -163,6 +163,13 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """
         tps, ids_now, earliest, stable = self._look_up()
         starts, ids = offsets.positions(start), offsets.topic_ids(start)
+        retired = offsets.retired_ids(start)
+        stale = {t for t, i in ids_now.items() if i in retired.get(t, [])}
+        if stale:  # held at their offsets this batch, as unlisted partitions are
+            log.warning("a broker answered with a retired id of topic(s) %s", sorted(stale))
+            tps = [tp for tp in tps if tp[0] not in stale]
+            ids_now = {t: i for t, i in ids_now.items() if t not in stale}
+        changed = {t for t, i in ids.items() if ids_now.get(t) not in (None, i)}
         recreated = self._check_recreated(starts, ids, ids_now, earliest, stable)
         unlisted = self._keep_unlisted(starts, set(tps))
         rewound = self._check_rewound(starts, earliest, stable)
@@ -179,26 +186,35 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         end |= {tp: earliest[tp] for tp in [*joined, *recreated, *rewound]} | unlisted
         self._latest = offsets.logged(stable)
         read_topics = {t for t, _ in end}
-        return offsets.logged(end, {t: i for t, i in (ids | ids_now).items() if t in read_topics})
+        retired |= {t: [*retired.get(t, []), ids[t]] for t in changed}
+        return offsets.logged(
+            end,
+            {t: i for t, i in (ids | ids_now).items() if t in read_topics},
+            {t: r for t, r in retired.items() if t in read_topics},
+        )
 
     def _look_up(self) -> tuple[list[TP], dict, dict[TP, int], dict[TP, int]]:
         """The partitions, topic ids, earliest and stable offsets to plan with, all of one
         incarnation of each topic: the ids are read before and after the offsets, and all
         again if a topic was recreated in between. A topic deleted since the metadata answer
         is left out (its partitions are held at their offsets, as unlisted ones are)."""
-        for _ in range(LOOKUP_ATTEMPTS):
+        for attempt in range(LOOKUP_ATTEMPTS):
+            time.sleep(0.5 * attempt)
             tps = self._partitions_now()
             ids = kafka_clients.topic_ids(self.conf, {t for t, _ in tps})
             tps = [tp for tp in tps if tp[0] in ids]
             earliest = kafka_clients.earliest(self.conf, tps)
             stable = kafka_clients.stable_ends(self.conf, tps)
-            if kafka_clients.topic_ids(self.conf, ids) == ids:
+            again = kafka_clients.topic_ids(self.conf, ids)
+            if again == ids:
                 return tps, ids, earliest, stable
-            log.warning("a subscribed topic was recreated while the batch was planned; again")
-        raise DataLossError(
-            f"subscribed topics were recreated {LOOKUP_ATTEMPTS} times while one batch was "
-            "planned; the query stops rather than read a mix of old and new topics. Start it "
-            "again once the topics are stable."
+            moved = sorted(t for t in ids if again.get(t) != ids[t])
+            log.warning("the ids of topic(s) %s changed while the batch was planned", moved)
+        raise OnceflowError(
+            f"the ids of topic(s) {', '.join(moved)} changed between two answers "
+            f"{LOOKUP_ATTEMPTS} times in a row (being recreated, or brokers disagree): the "
+            "query stops rather than plan a batch over two versions of a topic. Start it again "
+            "when the topics are stable."
         )
 
     def _data_loss(self, tp: tuple[str, int], what: str, fix: str, lost: int) -> None:
@@ -310,16 +326,23 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             old, new = start_ids.get(t), end_ids.get(t)
             restarted = old is not None and new is not None and old != new
             ranges.append(OffsetRange(t, p, e if restarted else starts.get((t, p), e), e))
-        return plan_tasks(self._of_logged_topics(ranges, end_ids), self.parallelism)
+        retired = offsets.retired_ids(end)
+        return plan_tasks(self._of_logged_topics(ranges, end_ids, retired), self.parallelism)
 
-    def _of_logged_topics(self, ranges: list[OffsetRange], logged: dict) -> list[OffsetRange]:
+    def _of_logged_topics(
+        self, ranges: list[OffsetRange], logged: dict, retired: dict
+    ) -> list[OffsetRange]:
         """The ranges whose topic still has the id the batch was planned with. A topic
         recreated since (while the app was down, before this batch is replayed) holds other
         records at those offsets: its ranges are data loss, skipped with failOnDataLoss=false,
         and the next batch restarts it from its earliest offset."""
         planned = {r.topic for r in ranges if r.size > 0 and logged.get(r.topic)}
         ids_now = kafka_clients.topic_ids(self.conf, planned)
-        recreated = {t for t in planned if ids_now.get(t) and ids_now[t] != logged[t]}
+        recreated = {
+            t
+            for t in planned
+            if ids_now.get(t) not in (None, logged[t], *retired.get(t, []))  # a new id
+        }
         for r in ranges:
             if r.topic in recreated and r.size > 0:
                 self._data_loss(
@@ -329,7 +352,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     f"[{r.start}, {r.end}) of the old topic.",
                     "skip the range (the next batch restarts the partition from its earliest "
                     "offset)",
-                    r.size,
+                    0,  # counted once, by the next batch that restarts the partition
                 )
         return [r for r in ranges if r.topic not in recreated]
 

@@ -2,7 +2,8 @@
 
 Exit codes: 0 ok; 1 runtime failure (the last line says what failed and what to do); 2 bad
 configuration; 3 `kafka status`: the local broker is not running; 4 `verify`: the output is
-not exactly once; 130 stopped by Ctrl-C (`run` finishes its current epoch first).
+not exactly once; 130 stopped by Ctrl-C (the epoch it interrupted is replayed on the next
+start; SIGTERM lets `run` finish the epoch and exit 0).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import sys
 from importlib import metadata
 
+from onceflow.connectors import kafka_clients
 from onceflow.connectors.errors import EXIT_BAD_CONFIG, EXIT_FAILURE, OnceflowError
 
 from . import config as pipeline_config
@@ -137,14 +139,22 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _environment_problem(log_level: str) -> str | None:
+    """What is wrong with the settings taken from the environment, checked before anything
+    starts (Spark's processes read them later, where an error would surface mid-run)."""
+    if log_level not in logs.LEVELS:
+        return f"ONCEFLOW_LOG_LEVEL={log_level!r} is not one of {', '.join(logs.LEVELS)}"
+    try:
+        kafka_clients.retry_budget_s()
+    except OnceflowError as exc:
+        return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.log_level not in logs.LEVELS:
-        levels = ", ".join(logs.LEVELS)
-        print(
-            f"onceflow: ONCEFLOW_LOG_LEVEL={args.log_level!r} is not one of {levels}",
-            file=sys.stderr,
-        )
+    if problem := _environment_problem(args.log_level):
+        print(f"onceflow: invalid setting: {problem}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     logs.configure(args.log_level)
     try:

@@ -7,6 +7,7 @@ checks the record accounting: every click is in a window, the late topic or dead
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -81,7 +82,8 @@ def run_demo(seconds: float = 40.0) -> int:
     threading.Thread(
         target=lambda: (producer.join(), time.sleep(8), stop.set()), daemon=True
     ).start()
-    run(config, stop=stop)
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: stop, and show what was published
+        run(config, stop=stop)
     printer.join(5)
 
     results = [json.loads(m.value()) for m in read_committed(bootstrap, topics["out"])]

@@ -78,13 +78,15 @@ def run(
             raise PipelineFailed(errors.describe(cause), cause)
         if stop.is_set() and query.isActive:
             _stop_after_current_epoch(query)
-        if signal.SIGINT in received:
-            # A terminal's Ctrl-C also interrupts Spark's Python workers, so the current
-            # epoch may have failed: it is replayed on restart, as after any stop.
-            raise KeyboardInterrupt
         error = query.exception()
-        if error is not None:
+        interrupted = signal.SIGINT in received
+        # A terminal's Ctrl-C also interrupts Spark's Python workers: the epoch they were in
+        # fails with KeyboardInterrupt and is replayed on restart, as after any stop. Any
+        # other failure is reported as such.
+        if error is not None and not (interrupted and "KeyboardInterrupt" in str(error)):
             raise failure(str(error))
+        if interrupted:
+            raise KeyboardInterrupt
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

@@ -50,22 +50,19 @@ def build_session(
 FAILURE_TRACE_LOGGERS = (
     "org.apache.spark.executor.Executor",
     "org.apache.spark.scheduler.TaskSetManager",
-    "org.apache.spark.sql.execution.streaming",
-    "org.apache.spark.sql.execution.datasources.v2",
+    "org.apache.spark.sql.execution.streaming.runtime.MicroBatchExecution",
 )
 
 
 def quiet_spark_logs(spark) -> None:
-    """Spark's warnings and errors, without failure stack traces, unless onceflow logs at
-    debug level (`--log-level debug`), which shows them all."""
+    """Spark's warnings and errors, without the stack traces of a failure, unless onceflow
+    logs at debug level (`--log-level debug`), which shows those too."""
+    spark.sparkContext.setLogLevel("WARN")
     if logging.getLogger("onceflow").isEnabledFor(logging.DEBUG):
-        spark.sparkContext.setLogLevel("WARN")
         return
-    spark.sparkContext.setLogLevel("ERROR")
-    jvm = spark.sparkContext._jvm
-    off = jvm.org.apache.logging.log4j.Level.OFF
+    log4j = spark.sparkContext._jvm.org.apache.logging.log4j
     for name in FAILURE_TRACE_LOGGERS:
-        jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(name, off)
+        log4j.core.config.Configurator.setLevel(name, log4j.Level.OFF)
 
 
 def register_data_source(spark) -> None:

@@ -16,8 +16,10 @@ def produce(
     records: Iterable[tuple[bytes | None, bytes | None, int]],
     transactional: bool = False,
 ) -> None:
-    """Produce (key, value, partition) records and wait until the broker has them all."""
-    conf = {"bootstrap.servers": bootstrap, "linger.ms": 5}
+    """Produce (key, value, partition) records and wait until the broker has them all, in the
+    order given per partition (idempotence: a retried batch cannot land behind a later one,
+    as it can right after a topic is created and its leader is not yet known)."""
+    conf = {"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True}
     if transactional:
         conf["transactional.id"] = f"test-producer-{uuid.uuid4()}"
     producer = Producer(conf)

@@ -229,7 +229,7 @@ def test_kill_at_every_fault_point_windowed(app, windowed_point):
 def pytest_generate_tests(metafunc) -> None:
     """CI kills each pipeline at its most replay-sensitive points (a windowed one after its
     side records are staged, after the commit and inside the state store commit; the sink's
-    own tests kill pass-through apps before the commit); --long at all."""
+    own tests kill before the prepare step and before the commit); --long at all."""
     long = metafunc.config.getoption("--long")
     for name, every, ci in (
         ("windowed_point", POINTS, ["after_prepare", "after_kafka_commit", STATE_STORE_POINT]),
@@ -334,7 +334,7 @@ def test_sigterm_finishes_the_epoch_and_exits_0(app):
     app.check_pass_through()
 
 
-def test_ctrl_c_exits_130(app):
+def test_ctrl_c_exits_130_and_the_restart_is_exactly_once(app):
     """Ctrl-C in a terminal signals the whole process group: the driver stops the query,
     Spark's Python workers are interrupted mid-task (the epoch is replayed on restart, as
     after the kills above)."""
@@ -345,6 +345,8 @@ def test_ctrl_c_exits_130(app):
     os.killpg(service.process.pid, signal.SIGINT)
     assert service.wait() == 130, service.tail()
     assert "Traceback" not in service.tail(), service.tail()
+    app.drain(pipeline)
+    app.check_pass_through()
 
 
 def _logged_epoch(pattern: str, log: str, service) -> int:

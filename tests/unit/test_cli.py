@@ -50,6 +50,15 @@ def test_an_unknown_log_level_in_the_environment_is_a_config_error(
     assert "ONCEFLOW_LOG_LEVEL='loud' is not one of debug, info" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("timeout", ["abc", "nan", "inf", "-1", "0"])
+def test_a_bad_kafka_timeout_is_refused_before_anything_starts(
+    pipeline_file, monkeypatch, capsys, timeout
+):
+    monkeypatch.setenv("ONCEFLOW_KAFKA_TIMEOUT", timeout)
+    assert cli.main(["validate", pipeline_file]) == 2
+    assert "ONCEFLOW_KAFKA_TIMEOUT" in capsys.readouterr().err
+
+
 def test_ctrl_c_exits_130(monkeypatch, pipeline_file):
     def interrupted(args):
         raise KeyboardInterrupt

@@ -40,7 +40,10 @@ def test_the_onceflow_service_runs_a_valid_pipeline_with_the_compose_environment
     config = onceflow_config()
     assert config.bootstrap_servers == "kafka:9092"
     assert config.spark_master == "local[*]"
-    assert all(k.startswith("ONCEFLOW_") and "__" in k for k in SERVICES["onceflow"]["environment"])
+    assert all(
+        (k.startswith("ONCEFLOW_") and "__" in k) or k.startswith("SPARK_")
+        for k in SERVICES["onceflow"]["environment"]
+    )
 
 
 def test_metrics_port_health_check_and_checkpoint_volume_match_the_pipeline():
@@ -175,10 +178,15 @@ def test_the_spark_cluster_profile_never_binds_loopback():
     assert master["entrypoint"][-2:] == ["--host", master["hostname"]]
     assert worker["entrypoint"][-2:] == ["--host", worker["hostname"]]
     assert f"spark://{master['hostname']}:7077" in worker["entrypoint"]
-    # The driver advertises its host name; the workers reach it by that name.
-    assert SERVICES["onceflow"]["hostname"] == "onceflow"
-    master_setting = SERVICES["onceflow"]["environment"]["ONCEFLOW_SPARK__MASTER"]
+    # The driver advertises a name the worker resolves (its service name), without setting
+    # its host name: the checkpoint lease tells two containers apart by host name.
+    onceflow = SERVICES["onceflow"]
+    assert "hostname" not in onceflow
+    assert onceflow["environment"]["SPARK_LOCAL_HOSTNAME"] == "onceflow"
+    master_setting = onceflow["environment"]["ONCEFLOW_SPARK__MASTER"]
     assert master_setting == "${ONCEFLOW_SPARK_MASTER:-local[*]}"
+    # The worker runs as the image's user, who cannot write to $SPARK_HOME/work.
+    assert worker["environment"]["SPARK_WORKER_DIR"].startswith(("/tmp/", "/data/"))
 
 
 def test_the_image_installs_the_dependencies_ci_tested_from_a_small_context():

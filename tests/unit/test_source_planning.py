@@ -128,3 +128,46 @@ def test_planning_looks_up_again_when_a_topic_is_recreated_meanwhile(monkeypatch
     reader = KafkaStreamReader({"kafka.bootstrap.servers": "x:1", "subscribe": "t"})
     monkeypatch.setattr(reader, "_partitions_now", lambda: [("t", 0)])
     assert reader._look_up() == ([("t", 0)], {"t": "new"}, {("t", 0): 0}, {("t", 0): 7})
+
+
+def _reader_over(monkeypatch, answers: list[dict], stable: int = 90):
+    """A reader of topic t whose broker answers topic ids from `answers`, one per call."""
+    from onceflow.connectors import kafka_clients
+    from onceflow.connectors.source import KafkaStreamReader
+
+    queue = iter(answers)
+    monkeypatch.setattr(kafka_clients, "topic_ids", lambda conf, topics: next(queue))
+    monkeypatch.setattr(kafka_clients, "earliest", lambda conf, tps: {tp: 0 for tp in tps})
+    monkeypatch.setattr(kafka_clients, "stable_ends", lambda conf, tps: {tp: stable for tp in tps})
+    reader = KafkaStreamReader(
+        {"kafka.bootstrap.servers": "x:1", "subscribe": "t", "failOnDataLoss": "false"}
+    )
+    monkeypatch.setattr(reader, "_partitions_now", lambda: [("t", 0)])
+    return reader
+
+
+def test_a_stale_answer_with_a_retired_id_is_not_another_recreation(monkeypatch):
+    """A broker whose metadata lags answers with the id the topic had before it was
+    recreated: planning holds the topic for a batch, reading trusts the plan."""
+    from onceflow.connectors import offsets
+
+    start = offsets.logged({("t", 0): 30}, {"t": "B"}, {"t": ["A"]})
+    reader = _reader_over(monkeypatch, [{"t": "A"}, {"t": "A"}])
+    end = reader.latestOffset(start, ReadAllAvailable())
+    assert offsets.positions(end) == {("t", 0): 30}  # held, not restarted from 0
+    assert offsets.topic_ids(end) == {"t": "B"} and offsets.retired_ids(end) == {"t": ["A"]}
+
+    planned = offsets.logged({("t", 0): 80}, {"t": "B"}, {"t": ["A"]})
+    reader = _reader_over(monkeypatch, [{"t": "A"}])
+    (task,) = reader.partitions(start, planned)
+    assert task.ranges == (OffsetRange("t", 0, 30, 80),)  # read, not skipped as lost
+
+
+def test_a_recreation_retires_the_old_id(monkeypatch):
+    from onceflow.connectors import offsets
+
+    start = offsets.logged({("t", 0): 30}, {"t": "A"})
+    reader = _reader_over(monkeypatch, [{"t": "B"}, {"t": "B"}])
+    end = reader.latestOffset(start, ReadAllAvailable())
+    assert offsets.positions(end) == {("t", 0): 0}  # restarted from the earliest offset
+    assert offsets.topic_ids(end) == {"t": "B"} and offsets.retired_ids(end) == {"t": ["A"]}
