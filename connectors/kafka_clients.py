@@ -34,13 +34,13 @@ from tenacity import (
 )
 
 from .errors import KafkaUnreachableError, OptionError
+from .offsets import TP
 
 log = logging.getLogger("onceflow.kafka")
 REPEAT_WINDOW_S = 30.0
 # The parts of a librdkafka line that change between repeats of one event.
 VOLATILE = re.compile(r"after \d+ms|\d+ identical error\(s\) suppressed|\d+/\d+ brokers")
 
-TP = tuple[str, int]
 REQUEST_TIMEOUT_S = 15
 PREFETCH_MESSAGES = 20_000
 DEFAULT_RETRY_BUDGET_S = 60.0
@@ -278,7 +278,6 @@ def range_consumer(conf: dict[str, str]) -> Consumer:
         if key not in _consumers:
             _consumers[key] = Consumer(
                 {
-                    "logger": LIBRDKAFKA_LOG,
                     "fetch.min.bytes": 1,
                     "fetch.wait.max.ms": 50,
                     # Prefetch about one Arrow batch: what is fetched past a range's end is
@@ -288,7 +287,7 @@ def range_consumer(conf: dict[str, str]) -> Consumer:
                     # was full, and remembers that across unassign/assign: with the default
                     # (1 s) one task in three of an epoch waited a second before its first fetch.
                     "fetch.queue.backoff.ms": 10,
-                    **conf,
+                    **client_conf(conf),
                     # Never part of a group: offsets come from Spark's offset log.
                     "group.id": f"onceflow-range-reader-{uuid.uuid4()}",
                     "isolation.level": "read_committed",

@@ -170,7 +170,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             tps = [tp for tp in tps if tp[0] not in stale]
             ids_now = {t: i for t, i in ids_now.items() if t not in stale}
         changed = {t for t, i in ids.items() if ids_now.get(t) not in (None, i)}
-        recreated = self._check_recreated(starts, ids, ids_now, earliest, stable)
+        recreated = self._check_recreated(starts, changed, ids, ids_now, earliest, stable)
         unlisted = self._keep_unlisted(starts, set(tps))
         rewound = self._check_rewound(starts, earliest, stable)
         self._check_retention(starts, earliest)
@@ -230,17 +230,18 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self.checkpoint.add_source_data_loss(*tp, lost)
 
     def _check_recreated(
-        self, starts: dict, ids: dict, ids_now: dict, earliest: dict, stable: dict
+        self, starts: dict, changed: set, ids: dict, ids_now: dict, earliest: dict, stable: dict
     ) -> list:
-        """Partitions of topics deleted and created again since the last batch: the topic's
-        id changed. Their offsets start over, so the checkpoint's offset means nothing in the
-        new topic, even when it already holds more records. They are taken out of `starts`;
-        returned are those the new topic still has, to restart from their earliest offset."""
+        """Partitions of topics deleted and created again since the last batch: the topics
+        in `changed`, whose id changed. Their offsets start over, so the checkpoint's offset
+        means nothing in the new topic, even when it already holds more records. They are
+        taken out of `starts`; returned are those the new topic still has, to restart from
+        their earliest offset."""
         restarted = []
         for tp, offset in sorted(starts.items()):
-            old, new = ids.get(tp[0]), ids_now.get(tp[0])
-            if old is None or new is None or old == new:
+            if tp[0] not in changed:
                 continue
+            old, new = ids[tp[0]], ids_now[tp[0]]
             del starts[tp]
             what = (
                 f"the topic was deleted and created again (topic id {old} is now {new}): the "

@@ -189,15 +189,22 @@ def _lose_unread_offsets(spark, kafka_bootstrap, topic: str, checkpoint: str) ->
     _delete_before(kafka_bootstrap, topic, 0, 15)
 
 
+def _data_loss_message(spark, bootstrap: str, topic: str, checkpoint: str) -> str:
+    """The failure of a run from `checkpoint` (default options), which must be data loss on
+    partition 0 of `topic`."""
+    with pytest.raises(StreamingQueryException) as info:
+        drain(source_reader(spark, bootstrap, topic), checkpoint)
+    message = str(info.value)
+    assert f"data loss on topic {topic} partition 0" in message
+    return message
+
+
 def test_retention_loss_fails_the_query_by_default(spark, kafka_bootstrap, new_topic, tmp_path):
     topic = new_topic(partitions=1)
     checkpoint = str(tmp_path / "ck")
     _lose_unread_offsets(spark, kafka_bootstrap, topic, checkpoint)
 
-    with pytest.raises(StreamingQueryException) as info:
-        drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
-    message = str(info.value)
-    assert f"data loss on topic {topic} partition 0" in message
+    message = _data_loss_message(spark, kafka_bootstrap, topic, checkpoint)
     assert "expected offset 10" in message and "earliest available offset is 15" in message
 
 
@@ -282,10 +289,7 @@ def test_a_recreated_topic_is_data_loss_naming_both_offsets(
     checkpoint = str(tmp_path / "ck")
     _read_then_recreate(spark, kafka_bootstrap, topic, checkpoint)
 
-    with pytest.raises(StreamingQueryException) as info:
-        drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
-    message = str(info.value)
-    assert f"data loss on topic {topic} partition 0" in message
+    message = _data_loss_message(spark, kafka_bootstrap, topic, checkpoint)
     assert "deleted and created again" in message
     assert "expected offset 500 next" in message and "holds offsets [0, 300)" in message
 
@@ -299,10 +303,7 @@ def test_a_recreated_topic_refilled_past_the_checkpoint_is_data_loss(
     checkpoint = str(tmp_path / "ck")
     _read_then_recreate(spark, kafka_bootstrap, topic, checkpoint, read=100)
 
-    with pytest.raises(StreamingQueryException) as info:
-        drain(source_reader(spark, kafka_bootstrap, topic), checkpoint)
-    message = str(info.value)
-    assert f"data loss on topic {topic} partition 0" in message
+    message = _data_loss_message(spark, kafka_bootstrap, topic, checkpoint)
     assert "deleted and created again" in message and "expected offset 100 next" in message
 
 
