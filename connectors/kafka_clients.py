@@ -88,26 +88,69 @@ def _unreachable(retry_state) -> None:
     exc = retry_state.outcome.exception()
     conf = retry_state.args[0] if retry_state.args else {}
     bootstrap = conf.get("bootstrap.servers", "?")
-    budget = f"{retry_budget_s():g}s"
     code = exc.args[0].code() if exc.args and isinstance(exc.args[0], KafkaError) else None
     if code not in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN):
         raise KafkaUnreachableError(
-            f"a request to Kafka at {bootstrap} kept failing for {budget}: {exc}. Check that "
-            "every partition of the subscribed topics has a leader."
+            f"a request to Kafka at {bootstrap} kept failing for {retry_budget_s():g}s: {exc}. "
+            "Check that every partition of the subscribed topics has a leader."
         ) from exc
-    when, error = _last_errors.get(bootstrap, (0.0, None))
-    cause = error if error and when >= retry_state.start_time else str(exc)
-    raise KafkaUnreachableError(
-        f"Kafka at {bootstrap} did not answer within {budget}; the client's last error: "
-        f"{cause}. Check kafka.bootstrap.servers, that the broker is up, and the listener's "
-        "security settings (kafka.security.protocol, kafka.sasl.*, kafka.ssl.*)."
-    ) from exc
+    raise KafkaUnreachableError(_why_unreachable(conf, retry_state.start_time, str(exc))) from exc
+
+
+def _why_unreachable(conf: dict[str, str], since: float, fallback: str) -> str:
+    """One line for a client that never got an answer: the address, what failed (the
+    broker refused the credentials, TLS, the name, the connection) and what to check.
+    Credentials are named by setting, never by value."""
+    bootstrap = conf.get("bootstrap.servers", "?")
+    error = _last_error_since(bootstrap, since)
+    code = error.code() if error is not None else None
+    if code == KafkaError._AUTHENTICATION:
+        return (
+            f"Kafka at {bootstrap} refused the credentials of user "
+            f"{conf.get('sasl.username', '(none)')!r} ({conf.get('sasl.mechanism', 'GSSAPI')}): "
+            f"{error.str()}. Check kafka.sasl.username, kafka.sasl.password and "
+            "kafka.sasl.mechanism."
+        )
+    if code == KafkaError._SSL:
+        return (
+            f"TLS with Kafka at {bootstrap} failed: {error.str()}. Check kafka.ssl.ca.location "
+            "(the CA that signed the broker's certificate) and that the address is one the "
+            "certificate names."
+        )
+    if code == KafkaError._RESOLVE:
+        return f"{error.str()}. Check the host names in kafka.bootstrap.servers ({bootstrap})."
+    said = _last_failure_since(bootstrap, since) or (error.str() if error else fallback)
+    protocol = conf.get("security.protocol", "plaintext")
+    check = (
+        f"Check kafka.bootstrap.servers, that the broker is up, and that "
+        f"kafka.security.protocol ({protocol}) is what that listener speaks."
+    )
+    if "APIVERSION_QUERY" in said and "ssl" not in protocol.lower():
+        check = (
+            "The broker hung up before answering the first request, as a TLS listener does "
+            f"to a client without TLS: check kafka.security.protocol ({protocol}); SSL or "
+            "SASL_SSL if the listener expects TLS."
+        )
+    return (
+        f"Kafka at {bootstrap} did not answer within {retry_budget_s():g}s; the client's last "
+        f"error: {said}. {check}"
+    )
+
+
+def _gives_up(retry_state) -> bool:
+    """After the retry budget, or at once when the broker refused the credentials: trying
+    the same password again cannot help."""
+    if retry_state.seconds_since_start >= retry_budget_s():
+        return True
+    conf = retry_state.args[0] if retry_state.args else {}
+    last = _last_error_since(conf.get("bootstrap.servers", ""), retry_state.start_time)
+    return last is not None and last.code() == KafkaError._AUTHENTICATION
 
 
 kafka_retry = retry(
     retry=retry_if_exception(_retriable),
     wait=wait_exponential(multiplier=0.2, max=5),
-    stop=lambda state: state.seconds_since_start >= retry_budget_s(),
+    stop=_gives_up,
     retry_error_callback=_unreachable,
     reraise=False,
 )
@@ -145,23 +188,52 @@ LIBRDKAFKA_LOG = logging.getLogger("onceflow.librdkafka")
 LIBRDKAFKA_LOG.addFilter(_repeats)
 
 
-# bootstrap servers -> (time.monotonic(), the client's last error): names why Kafka is unreachable
-_last_errors: dict[str, tuple[float, str]] = {}
+# bootstrap servers -> (time.monotonic(), what a client last reported): why Kafka is unreachable.
+# Errors carry a code (authentication, TLS, name resolution); some failures, such as a TLS
+# listener hanging up on a client without TLS, reach only the log, as a FAIL line.
+_last_errors: dict[str, tuple[float, KafkaError]] = {}
+_last_failures: dict[str, tuple[float, str]] = {}
+
+
+def _last_error_since(bootstrap: str, since: float) -> KafkaError | None:
+    when, error = _last_errors.get(bootstrap, (0.0, None))
+    return error if when >= since else None
+
+
+def _last_failure_since(bootstrap: str, since: float) -> str | None:
+    when, failure = _last_failures.get(bootstrap, (0.0, None))
+    return failure if when >= since else None
+
+
+class _ClientLog:
+    """librdkafka's log of the clients of one bootstrap address: lines go on to
+    LIBRDKAFKA_LOG, and the last connection failure (a FAIL line) is kept for
+    `_why_unreachable`. confluent-kafka only calls `log` on the object it is given."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.bootstrap = bootstrap
+
+    def log(self, level: int, fmt: str, *args: object) -> None:
+        if len(args) == 3 and args[0] == "FAIL":
+            text = re.sub(r"^\[thrd:[^\]]*\]: ", "", str(args[2]))
+            _last_failures[self.bootstrap] = (time.monotonic(), text)
+        LIBRDKAFKA_LOG.log(level, fmt, *args)
 
 
 def client_conf(conf: dict[str, str]) -> dict:
     """`conf` for a librdkafka client whose log goes through Python logging, de-duplicated,
-    instead of straight to stderr, and whose last error names why Kafka cannot be reached
+    instead of straight to stderr, and whose errors say why Kafka cannot be reached
     (refused, name resolution, TLS, authentication).
 
     librdkafka queues both until the client is polled: clients that are never polled
     otherwise (the admin client) are polled after each call (see `_delivers_logs`)."""
     bootstrap = conf.get("bootstrap.servers", "")
 
-    def remember(error) -> None:
-        _last_errors[bootstrap] = (time.monotonic(), error.str())
+    def remember(error: KafkaError) -> None:
+        if error.code() != KafkaError._ALL_BROKERS_DOWN:  # says nothing about why
+            _last_errors[bootstrap] = (time.monotonic(), error)
 
-    return {**conf, "logger": LIBRDKAFKA_LOG, "error_cb": remember}
+    return {**conf, "logger": _ClientLog(bootstrap), "error_cb": remember}
 
 
 def admin(conf: dict[str, str]) -> AdminClient:

@@ -9,6 +9,7 @@ start; SIGTERM lets `run` finish the epoch and exit 0).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -28,7 +29,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 def _kafka(args: argparse.Namespace) -> int:
-    broker = LocalKafka.from_env()
+    broker = dataclasses.replace(LocalKafka.from_env(), sasl_ssl=args.sasl_ssl)
     if args.action == "start":
         broker.start()
     elif args.action == "stop":
@@ -127,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kafka.add_argument(
         "action", choices=["start", "stop", "status"], help="status exits 0 running, 3 not"
+    )
+    kafka.add_argument(
+        "--sasl-ssl",
+        action="store_true",
+        help="start: also listen for SASL_SSL clients (SCRAM-SHA-512 user, self-signed CA) "
+        "on port +2; the client settings are written to a file start names",
     )
     kafka.set_defaults(handler=_kafka)
     return parser

@@ -2,7 +2,8 @@
 
 The broker jars come from Maven Central (fetched once with `mvn` into a cache directory) and
 run with the machine's `java`: one combined broker+controller node in KRaft mode on
-127.0.0.1, configured so that transactions work on a single node.
+127.0.0.1, configured so that transactions work on a single node. With `sasl_ssl` it also
+listens for SASL_SSL clients on the port after the controller's (see secure_listener).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from .secure_listener import SecureListener
 
 KAFKA_VERSION = "4.1.1"
 LOG4J_VERSION = "2.24.3"
@@ -99,6 +102,7 @@ class LocalKafka:
 
     home: Path
     port: int = DEFAULT_PORT
+    sasl_ssl: bool = False
 
     @classmethod
     def from_env(cls) -> LocalKafka:
@@ -136,6 +140,21 @@ class LocalKafka:
     def data_dir(self) -> Path:
         return self.run_dir / "data"
 
+    @property
+    def config_file(self) -> Path:
+        return self.run_dir / "server.properties"
+
+    @property
+    def secure_listener(self) -> SecureListener:
+        return SecureListener(self.run_dir / "sasl_ssl", self.port + 2)
+
+    def _listens_sasl_ssl(self) -> bool:
+        """Whether the broker's current configuration has the SASL_SSL listener."""
+        try:
+            return "SASL_SSL://" in self.config_file.read_text()
+        except FileNotFoundError:
+            return False
+
     # -- state -----------------------------------------------------------------------------
 
     def pid(self) -> int | None:
@@ -169,7 +188,13 @@ class LocalKafka:
                 return f"not running (port {self.port} is taken by another process)"
             return "not running"
         if self.answers():
-            return f"running at {self.bootstrap} (pid {pid}, log {self.log_file})"
+            secure = ""
+            if self._listens_sasl_ssl():
+                listener = self.secure_listener
+                secure = (
+                    f"; SASL_SSL at {listener.bootstrap}, settings in {listener.client_properties}"
+                )
+            return f"running at {self.bootstrap} (pid {pid}, log {self.log_file}{secure})"
         return f"starting or unhealthy (pid {pid}, not answering yet; log {self.log_file})"
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -180,6 +205,12 @@ class LocalKafka:
         with self._lock():
             pid = self.pid()
             if pid is not None:
+                if self.sasl_ssl and not self._listens_sasl_ssl():
+                    raise LocalKafkaError(
+                        f"Kafka is already running at {self.bootstrap} (pid {pid}) without "
+                        "the SASL_SSL listener; `onceflow kafka stop`, then start it again "
+                        "with --sasl-ssl"
+                    )
                 self._wait_ready(pid, progress)
                 progress(f"Kafka is already running at {self.bootstrap} (pid {pid})")
                 return self.bootstrap
@@ -207,6 +238,8 @@ class LocalKafka:
                 )
             self.pid_file.write_text(str(proc.pid))
             self._wait_ready(proc.pid, progress)
+            if self.sasl_ssl:
+                self.secure_listener.create_user(self.bootstrap, progress)
             progress(f"Kafka is ready at {self.bootstrap} after {time.monotonic() - t0:.1f}s")
             return self.bootstrap
 
@@ -286,19 +319,28 @@ class LocalKafka:
 
     def _write_config(self) -> Path:
         controller_port = self.port + 1
-        config = self.run_dir / "server.properties"
+        listeners = [f"PLAINTEXT://127.0.0.1:{self.port}"]
+        protocols = ["PLAINTEXT:PLAINTEXT", "CONTROLLER:PLAINTEXT"]
+        secure: list[str] = []
+        if self.sasl_ssl:
+            listeners.append(f"SASL_SSL://{self.secure_listener.bootstrap}")
+            protocols.append("SASL_SSL:SASL_SSL")
+            secure = self.secure_listener.prepare()
+        config = self.config_file
+        config.touch(mode=0o600)
+        config.chmod(0o600)  # before it holds the key store's password
         config.write_text(
             "\n".join(
                 [
                     "process.roles=broker,controller",
                     "node.id=1",
                     f"controller.quorum.voters=1@127.0.0.1:{controller_port}",
-                    f"listeners=PLAINTEXT://127.0.0.1:{self.port},"
-                    f"CONTROLLER://127.0.0.1:{controller_port}",
-                    f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
+                    f"listeners={','.join(listeners)},CONTROLLER://127.0.0.1:{controller_port}",
+                    f"advertised.listeners={','.join(listeners)}",
                     "controller.listener.names=CONTROLLER",
-                    "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+                    f"listener.security.protocol.map={','.join(protocols)}",
                     "inter.broker.listener.name=PLAINTEXT",
+                    *secure,
                     f"log.dirs={self.data_dir}",
                     "num.partitions=1",
                     # A single node can only hold one replica of the internal topics.

@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from confluent_kafka import Producer
 
+from onceflow.local_kafka import LocalKafka
+
 
 def produce(
-    bootstrap: str,
+    bootstrap: str | dict[str, str],
     topic: str,
     records: Iterable[tuple[bytes | None, bytes | None, int]],
     transactional: bool = False,
 ) -> None:
     """Produce (key, value, partition) records and wait until the broker has them all, in the
     order given per partition (idempotence: a retried batch cannot land behind a later one,
-    as it can right after a topic is created and its leader is not yet known)."""
-    conf = {"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True}
+    as it can right after a topic is created and its leader is not yet known).
+
+    `bootstrap` is an address, or a librdkafka config (a secured listener's)."""
+    client = {"bootstrap.servers": bootstrap} if isinstance(bootstrap, str) else bootstrap
+    conf = {**client, "linger.ms": 5, "enable.idempotence": True}
     if transactional:
         conf["transactional.id"] = f"test-producer-{uuid.uuid4()}"
     producer = Producer(conf)
@@ -42,6 +49,38 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports."""
+    for _ in range(100):
+        first = free_port()
+        sockets = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise AssertionError(f"found no {count} consecutive free ports")
+
+
+@contextlib.contextmanager
+def own_broker(sasl_ssl: bool = False) -> Iterator[LocalKafka]:
+    """A local broker of the test's own (on free ports, the jars from the usual cache), for
+    tests that stop it or secure it without touching the broker the suite shares."""
+    broker = LocalKafka(LocalKafka.from_env().home, port=free_ports(3), sasl_ssl=sasl_ssl)
+    try:
+        broker.start(progress=lambda line: None)
+        yield broker
+    finally:
+        broker.stop(progress=lambda line: None)
+        shutil.rmtree(broker.run_dir, ignore_errors=True)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 60, what: str = "condition"):

@@ -494,3 +494,57 @@ def test_an_unreachable_broker_ends_in_one_line_naming_the_address_and_the_cause
     assert "Connection refused" in last, last
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert len(result.stderr.splitlines()) < 30, result.stderr[-3000:]
+
+
+def test_a_broker_that_stops_mid_run_ends_the_run_in_one_line(tmp_path):
+    """The broker goes away under a running pipeline (its own broker, stopped cleanly after
+    the first epoch is published): one line naming the address and the cause, exit 1."""
+    import os
+
+    import yaml
+
+    from onceflow.connectors.topics import create_topic
+    from tests.helpers import own_broker
+
+    with own_broker() as broker:
+        for name in ("in", "out"):
+            create_topic(broker.bootstrap, name, partitions=1)
+        path = tmp_path / "pipeline.yaml"
+        raw = {
+            "app_id": "broker-stops",
+            "kafka": {"bootstrap_servers": broker.bootstrap},
+            "source": {"topics": ["in"], "format": "raw", "starting_offsets": "earliest"},
+            "sink": {"topic": "out"},
+            "checkpoint": {"location": str(tmp_path / "ck")},
+            "spark": {"master": "local[1]"},
+            "metrics": {"port": 0},
+        }
+        path.write_text(yaml.safe_dump(raw))
+        produce(broker.bootstrap, "in", [(None, b"v%d" % i, 0) for i in range(10)])
+        run = subprocess.Popen(
+            [sys.executable, "-m", "onceflow.cli", "run", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "ONCEFLOW_KAFKA_TIMEOUT": "10"},
+        )
+
+        def published() -> bool:
+            assert run.poll() is None, "the run ended before the broker stopped"
+            return len(read_committed(broker.bootstrap, "out")) == 10
+
+        try:
+            wait_until(published, timeout=180, what="the first epoch's output")
+        except AssertionError as exc:
+            run.kill()
+            raise AssertionError(f"{exc}: {run.communicate()[1][-3000:]}") from None
+        broker.stop(progress=lambda line: None)
+        _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 1, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"onceflow: KafkaUnreachableError: Kafka at {broker.bootstrap} did not answer within 10s"
+    ), stderr[-3000:]
+    assert "Connection refused" in last, last
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert len(stderr.splitlines()) < 40, stderr[-3000:]
