@@ -87,14 +87,17 @@ def _retriable(exc: BaseException) -> bool:
 def _unreachable(retry_state) -> None:
     exc = retry_state.outcome.exception()
     conf = retry_state.args[0] if retry_state.args else {}
-    bootstrap = conf.get("bootstrap.servers", "?")
     code = exc.args[0].code() if exc.args and isinstance(exc.args[0], KafkaError) else None
-    if code not in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN):
+    transport = (KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN)
+    if code in transport or _refused_credentials(_last_error_since(conf, retry_state.start_time)):
         raise KafkaUnreachableError(
-            f"a request to Kafka at {bootstrap} kept failing for {retry_budget_s():g}s: {exc}. "
-            "Check that every partition of the subscribed topics has a leader."
+            _why_unreachable(conf, retry_state.start_time, str(exc))
         ) from exc
-    raise KafkaUnreachableError(_why_unreachable(conf, retry_state.start_time, str(exc))) from exc
+    raise KafkaUnreachableError(
+        f"a request to Kafka at {conf.get('bootstrap.servers', '?')} kept failing for "
+        f"{retry_state.seconds_since_start:.0f}s: {exc}. Check that every partition of the "
+        "subscribed topics has a leader."
+    ) from exc
 
 
 def _why_unreachable(conf: dict[str, str], since: float, fallback: str) -> str:
@@ -102,9 +105,9 @@ def _why_unreachable(conf: dict[str, str], since: float, fallback: str) -> str:
     broker refused the credentials, TLS, the name, the connection) and what to check.
     Credentials are named by setting, never by value."""
     bootstrap = conf.get("bootstrap.servers", "?")
-    error = _last_error_since(bootstrap, since)
+    error = _last_error_since(conf, since)
     code = error.code() if error is not None else None
-    if code == KafkaError._AUTHENTICATION:
+    if _refused_credentials(error):
         return (
             f"Kafka at {bootstrap} refused the credentials of user "
             f"{conf.get('sasl.username', '(none)')!r} ({conf.get('sasl.mechanism', 'GSSAPI')}): "
@@ -114,12 +117,13 @@ def _why_unreachable(conf: dict[str, str], since: float, fallback: str) -> str:
     if code == KafkaError._SSL:
         return (
             f"TLS with Kafka at {bootstrap} failed: {error.str()}. Check kafka.ssl.ca.location "
-            "(the CA that signed the broker's certificate) and that the address is one the "
-            "certificate names."
+            "(the CA that signed the broker's certificate), that the address is one the "
+            "certificate names, and kafka.ssl.certificate.location / kafka.ssl.key.location "
+            "if the listener asks clients for a certificate."
         )
     if code == KafkaError._RESOLVE:
         return f"{error.str()}. Check the host names in kafka.bootstrap.servers ({bootstrap})."
-    said = _last_failure_since(bootstrap, since) or (error.str() if error else fallback)
+    said = _last_failure_since(conf, since) or (error.str() if error else fallback)
     protocol = conf.get("security.protocol", "plaintext")
     check = (
         f"Check kafka.bootstrap.servers, that the broker is up, and that "
@@ -127,9 +131,9 @@ def _why_unreachable(conf: dict[str, str], since: float, fallback: str) -> str:
     )
     if "APIVERSION_QUERY" in said and "ssl" not in protocol.lower():
         check = (
-            "The broker hung up before answering the first request, as a TLS listener does "
-            f"to a client without TLS: check kafka.security.protocol ({protocol}); SSL or "
-            "SASL_SSL if the listener expects TLS."
+            "The broker closed the connection before answering the first request: if that "
+            f"listener expects TLS, set kafka.security.protocol ({protocol}) to SSL or "
+            "SASL_SSL; else check that the broker is up and accepts connections."
         )
     return (
         f"Kafka at {bootstrap} did not answer within {retry_budget_s():g}s; the client's last "
@@ -137,14 +141,34 @@ def _why_unreachable(conf: dict[str, str], since: float, fallback: str) -> str:
     )
 
 
+# librdkafka reports a refusal by the broker, and also a connection lost during the SASL
+# handshake or an OAUTHBEARER token it could not fetch, as _AUTHENTICATION: only the text
+# tells a refusal (wrong password, unknown user, a mechanism the broker does not offer).
+CREDENTIALS_REFUSED = re.compile(
+    r"invalid credentials|Unsupported SASL mechanism|ServerSignature mismatch"
+    r"|SASL SCRAM authentication failed|authorization id"
+)
+# A user created a moment ago may not have reached every broker yet, and is refused
+# meanwhile in the same words as a wrong password: a refusal ends the retries only after this.
+REFUSAL_GRACE_S = 5.0
+
+
+def _refused_credentials(error: KafkaError | None) -> bool:
+    return (
+        error is not None
+        and error.code() == KafkaError._AUTHENTICATION
+        and CREDENTIALS_REFUSED.search(error.str()) is not None
+    )
+
+
 def _gives_up(retry_state) -> bool:
-    """After the retry budget, or at once when the broker refused the credentials: trying
-    the same password again cannot help."""
+    """After the retry budget, or sooner when the broker keeps refusing the credentials:
+    trying the same password again cannot help."""
     if retry_state.seconds_since_start >= retry_budget_s():
         return True
     conf = retry_state.args[0] if retry_state.args else {}
-    last = _last_error_since(conf.get("bootstrap.servers", ""), retry_state.start_time)
-    return last is not None and last.code() == KafkaError._AUTHENTICATION
+    last = _last_error_since(conf, retry_state.start_time)
+    return _refused_credentials(last) and retry_state.seconds_since_start >= REFUSAL_GRACE_S
 
 
 kafka_retry = retry(
@@ -188,35 +212,36 @@ LIBRDKAFKA_LOG = logging.getLogger("onceflow.librdkafka")
 LIBRDKAFKA_LOG.addFilter(_repeats)
 
 
-# bootstrap servers -> (time.monotonic(), what a client last reported): why Kafka is unreachable.
-# Errors carry a code (authentication, TLS, name resolution); some failures, such as a TLS
-# listener hanging up on a client without TLS, reach only the log, as a FAIL line.
-_last_errors: dict[str, tuple[float, KafkaError]] = {}
-_last_failures: dict[str, tuple[float, str]] = {}
+# A client's settings (`_key`) -> (time.monotonic(), what its clients last reported): why
+# Kafka is unreachable. Errors carry a code (authentication, TLS, name resolution); some
+# failures, such as a TLS listener hanging up on a client without TLS, reach only the log, as
+# a FAIL line. Both are stamped when delivered, at a poll (see `kafka_request`).
+_last_errors: dict[tuple, tuple[float, KafkaError]] = {}
+_last_failures: dict[tuple, tuple[float, str]] = {}
 
 
-def _last_error_since(bootstrap: str, since: float) -> KafkaError | None:
-    when, error = _last_errors.get(bootstrap, (0.0, None))
+def _last_error_since(conf: dict[str, str], since: float) -> KafkaError | None:
+    when, error = _last_errors.get(_key(conf), (0.0, None))
     return error if when >= since else None
 
 
-def _last_failure_since(bootstrap: str, since: float) -> str | None:
-    when, failure = _last_failures.get(bootstrap, (0.0, None))
+def _last_failure_since(conf: dict[str, str], since: float) -> str | None:
+    when, failure = _last_failures.get(_key(conf), (0.0, None))
     return failure if when >= since else None
 
 
 class _ClientLog:
-    """librdkafka's log of the clients of one bootstrap address: lines go on to
-    LIBRDKAFKA_LOG, and the last connection failure (a FAIL line) is kept for
-    `_why_unreachable`. confluent-kafka only calls `log` on the object it is given."""
+    """librdkafka's log of the clients of one configuration: lines go on to LIBRDKAFKA_LOG,
+    and the last connection failure (a FAIL line) is kept for `_why_unreachable`.
+    confluent-kafka only calls `log` on the object it is given."""
 
-    def __init__(self, bootstrap: str) -> None:
-        self.bootstrap = bootstrap
+    def __init__(self, key: tuple) -> None:
+        self.key = key
 
     def log(self, level: int, fmt: str, *args: object) -> None:
         if len(args) == 3 and args[0] == "FAIL":
             text = re.sub(r"^\[thrd:[^\]]*\]: ", "", str(args[2]))
-            _last_failures[self.bootstrap] = (time.monotonic(), text)
+            _last_failures[self.key] = (time.monotonic(), text)
         LIBRDKAFKA_LOG.log(level, fmt, *args)
 
 
@@ -226,14 +251,14 @@ def client_conf(conf: dict[str, str]) -> dict:
     (refused, name resolution, TLS, authentication).
 
     librdkafka queues both until the client is polled: clients that are never polled
-    otherwise (the admin client) are polled after each call (see `_delivers_logs`)."""
-    bootstrap = conf.get("bootstrap.servers", "")
+    otherwise (the admin client) are polled around each request (see `kafka_request`)."""
+    key = _key(conf)
 
     def remember(error: KafkaError) -> None:
         if error.code() != KafkaError._ALL_BROKERS_DOWN:  # says nothing about why
-            _last_errors[bootstrap] = (time.monotonic(), error)
+            _last_errors[key] = (time.monotonic(), error)
 
-    return {**conf, "logger": _ClientLog(bootstrap), "error_cb": remember}
+    return {**conf, "logger": _ClientLog(key), "error_cb": remember}
 
 
 def admin(conf: dict[str, str]) -> AdminClient:
@@ -258,8 +283,22 @@ def _delivers_logs(call):
     return polled
 
 
-@kafka_retry
-@_delivers_logs
+def kafka_request(call):
+    """A Kafka look-up with the admin client: retried (kafka_retry), its client's logs and
+    errors delivered after each attempt, and what was queued before it delivered first, so
+    that an older error is not taken for this request's cause (they are stamped when
+    delivered)."""
+    retried = kafka_retry(_delivers_logs(call))
+
+    @functools.wraps(call)
+    def request(conf: dict[str, str], *args, **kwargs):
+        admin(conf).poll(0)
+        return retried(conf, *args, **kwargs)
+
+    return request
+
+
+@kafka_request
 def metadata(conf: dict[str, str]):
     try:
         return admin(conf).list_topics(timeout=REQUEST_TIMEOUT_S)
@@ -269,8 +308,7 @@ def metadata(conf: dict[str, str]):
         raise KafkaException(KafkaError(KafkaError._TRANSPORT, str(exc))) from exc
 
 
-@kafka_retry
-@_delivers_logs
+@kafka_request
 def topic_ids(conf: dict[str, str], topics: Iterable[str]) -> dict[str, str | None]:
     """The id of each topic, in Kafka's own text form (as `kafka-topics.sh --describe` shows
     it): a topic deleted and created again under its name gets a new one.
@@ -304,8 +342,7 @@ def _kafka_uuid(msb: int, lsb: int) -> str | None:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
-@kafka_retry
-@_delivers_logs
+@kafka_request
 def _list_offsets(
     conf: dict[str, str],
     tps: Iterable[TP],

@@ -69,7 +69,7 @@ def _verify(args: argparse.Namespace) -> int:
     # and watermark, so it can tell records in open windows from lost ones.
     windows = WindowSpec.from_config(config) if config.window is not None else None
     report = verify(
-        config.bootstrap_servers,
+        dict(config.kafka),
         config.source.topics,
         config.sink.topic,
         config.sink.dead_letter_topic,
@@ -132,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     kafka.add_argument(
         "--sasl-ssl",
         action="store_true",
-        help="start: also listen for SASL_SSL clients (SCRAM-SHA-512 user, self-signed CA) "
-        "on port +2; the client settings are written to a file start names",
+        help="with start: also listen for SASL_SSL clients (SCRAM-SHA-512 user, a CA of its "
+        "own) on the broker's port + 3; start names the file with the client settings",
     )
     kafka.set_defaults(handler=_kafka)
     return parser

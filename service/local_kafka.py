@@ -3,7 +3,7 @@
 The broker jars come from Maven Central (fetched once with `mvn` into a cache directory) and
 run with the machine's `java`: one combined broker+controller node in KRaft mode on
 127.0.0.1, configured so that transactions work on a single node. With `sasl_ssl` it also
-listens for SASL_SSL clients on the port after the controller's (see secure_listener).
+listens for SASL_SSL clients on its port + 3 (see secure_listener).
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ class LocalKafka:
 
     @property
     def secure_listener(self) -> SecureListener:
-        return SecureListener(self.run_dir / "sasl_ssl", self.port + 2)
+        # + 3: the compose file publishes its broker's host listener on 9094.
+        return SecureListener(self.run_dir / "sasl_ssl", self.port + 3)
 
     def _listens_sasl_ssl(self) -> bool:
         """Whether the broker's current configuration has the SASL_SSL listener."""
@@ -213,6 +214,8 @@ class LocalKafka:
                     )
                 self._wait_ready(pid, progress)
                 progress(f"Kafka is already running at {self.bootstrap} (pid {pid})")
+                if self.sasl_ssl:
+                    self.secure_listener.describe(progress)
                 return self.bootstrap
             if _port_open(self.port):
                 raise LocalKafkaError(

@@ -59,7 +59,7 @@ class SecureListener:
     def _keystore_password_file(self) -> Path:
         return self.directory / "keystore.password"
 
-    def client_conf(self) -> dict[str, str]:
+    def client_settings(self) -> dict[str, str]:
         """librdkafka settings for a client of this listener, the password included."""
         conf = {}
         for line in self.client_properties.read_text().splitlines():
@@ -109,7 +109,7 @@ class SecureListener:
             UserScramCredentialUpsertion,
         )
 
-        conf = self.client_conf()
+        conf = self.client_settings()
         admin = AdminClient({"bootstrap.servers": plaintext_bootstrap, "log_level": 0})
         upsert = UserScramCredentialUpsertion(
             USERNAME,
@@ -132,6 +132,9 @@ class SecureListener:
                         "broker's log, then `onceflow kafka stop` and start again"
                     ) from None
             time.sleep(0.2)
+        self.describe(progress)
+
+    def describe(self, progress: Callable[[str], None]) -> None:
         progress(
             f"SASL_SSL listener at {self.bootstrap} (user {USERNAME!r}, {MECHANISM}, CA "
             f"{self.ca_file}); client settings with the password: {self.client_properties}"

@@ -581,29 +581,31 @@ def read_result(value: bytes | None, count_field: str) -> Window | str:
 
 
 def verify(
-    bootstrap: str,
+    kafka: dict[str, str] | str,
     inputs: list[str],
     output: str,
     dead_letters: str | None = None,
     late: str | None = None,
     windows: WindowSpec | None = None,
 ) -> Report:
-    """Check `output` against `inputs`: window results with `windows`, else pass-through."""
+    """Check `output` against `inputs`: window results with `windows`, else pass-through.
+
+    `kafka` is the app's librdkafka settings (security included), or a bootstrap address."""
     if windows is not None:
-        return _verify_windows(bootstrap, inputs, output, dead_letters, late, windows)
+        return _verify_windows(kafka, inputs, output, dead_letters, late, windows)
     report = Report()
     input_positions = [
         f"{m.topic()}/{m.partition()}/{m.offset()}"
         for t in inputs
-        for m in read_committed(bootstrap, t)
+        for m in read_committed(kafka, t)
     ]
     report.input_records = len(input_positions)
-    out = read_committed(bootstrap, output)
+    out = read_committed(kafka, output)
     report.output_records = len(out)
     side = Counter()
     for topic, attribute in ((dead_letters, "dead_letters"), (late, "late")):
         if topic:
-            records = read_committed(bootstrap, topic)
+            records = read_committed(kafka, topic)
             setattr(report, attribute, len(records))
             side.update(_source(m) for m in records)
     positions = Counter(_source(m) for m in out)
@@ -615,7 +617,7 @@ def verify(
 
 
 def _verify_windows(
-    bootstrap: str,
+    kafka: dict[str, str] | str,
     inputs: list[str],
     output: str,
     dead_letters: str | None,
@@ -624,14 +626,14 @@ def _verify_windows(
 ) -> Report:
     report = Report(windowed=True)
     before = read_batches(spec.checkpoint)
-    records = [m for t in inputs for m in read_committed(bootstrap, t)]
+    records = [m for t in inputs for m in read_committed(kafka, t)]
     side: Counter[str | None] = Counter()
     for topic, attribute in ((dead_letters, "dead_letters"), (late, "late")):
         if topic:
-            found = read_committed(bootstrap, topic)
+            found = read_committed(kafka, topic)
             setattr(report, attribute, len(found))
             side.update(_source(m) for m in found)
-    out = read_committed(bootstrap, output)
+    out = read_committed(kafka, output)
     if read_batches(spec.checkpoint) != before:
         raise VerifyError(
             "the app ran a batch while verify read its topics: verify checks an app at rest; "

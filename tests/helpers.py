@@ -52,7 +52,8 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports."""
+    """The first of `count` consecutive ports that are free now (a broker, its controller,
+    ...)."""
     for _ in range(100):
         first = free_port()
         sockets = []
@@ -74,13 +75,15 @@ def free_ports(count: int) -> int:
 def own_broker(sasl_ssl: bool = False) -> Iterator[LocalKafka]:
     """A local broker of the test's own (on free ports, the jars from the usual cache), for
     tests that stop it or secure it without touching the broker the suite shares."""
-    broker = LocalKafka(LocalKafka.from_env().home, port=free_ports(3), sasl_ssl=sasl_ssl)
+    broker = LocalKafka(LocalKafka.from_env().home, port=free_ports(4), sasl_ssl=sasl_ssl)
     try:
         broker.start(progress=lambda line: None)
         yield broker
     finally:
-        broker.stop(progress=lambda line: None)
-        shutil.rmtree(broker.run_dir, ignore_errors=True)
+        try:
+            broker.stop(progress=lambda line: None)
+        finally:
+            shutil.rmtree(broker.run_dir, ignore_errors=True)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 60, what: str = "condition"):

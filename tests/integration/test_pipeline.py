@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from collections import defaultdict
 
 import pytest
+import yaml
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
 from onceflow.config import parse
-from onceflow.connectors.topics import read_committed
+from onceflow.connectors.topics import create_topic, read_committed
 from onceflow.runner import run
-from tests.helpers import produce, wait_until
+from tests.helpers import own_broker, produce, wait_until
 
 pytestmark = pytest.mark.integration
 BASE = 1_700_000_000_000  # event times start here (ms)
@@ -376,8 +378,6 @@ def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
     ],
 )
 def test_config_errors_exit_2_naming_the_field(tmp_path, change, message):
-    import yaml
-
     raw = {
         "app_id": "bad",
         "kafka": {"bootstrap_servers": "127.0.0.1:1"},
@@ -403,8 +403,6 @@ def test_config_errors_exit_2_naming_the_field(tmp_path, change, message):
 
 
 def test_a_missing_input_topic_is_a_clear_runtime_error(kafka_bootstrap, tmp_path):
-    import yaml
-
     raw = {
         "app_id": "nosuch",
         "kafka": {"bootstrap_servers": kafka_bootstrap},
@@ -427,7 +425,6 @@ def test_a_missing_input_topic_is_a_clear_runtime_error(kafka_bootstrap, tmp_pat
 def test_verify_exits_4_with_a_json_report_when_a_record_is_published_twice(
     kafka_bootstrap, new_topic, tmp_path
 ):
-    import yaml
     from confluent_kafka import Producer
 
     source, out = new_topic(prefix="in"), new_topic(prefix="out")
@@ -464,10 +461,6 @@ def test_verify_exits_4_with_a_json_report_when_a_record_is_published_twice(
 def test_an_unreachable_broker_ends_in_one_line_naming_the_address_and_the_cause(tmp_path):
     """No wall of librdkafka lines and stack traces: the last line says what failed and what
     to check, after ONCEFLOW_KAFKA_TIMEOUT."""
-    import os
-
-    import yaml
-
     raw = {
         "app_id": "unreachable",
         "kafka": {"bootstrap_servers": "127.0.0.1:1"},
@@ -499,13 +492,6 @@ def test_an_unreachable_broker_ends_in_one_line_naming_the_address_and_the_cause
 def test_a_broker_that_stops_mid_run_ends_the_run_in_one_line(tmp_path):
     """The broker goes away under a running pipeline (its own broker, stopped cleanly after
     the first epoch is published): one line naming the address and the cause, exit 1."""
-    import os
-
-    import yaml
-
-    from onceflow.connectors.topics import create_topic
-    from tests.helpers import own_broker
-
     with own_broker() as broker:
         for name in ("in", "out"):
             create_topic(broker.bootstrap, name, partitions=1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -71,8 +72,9 @@ def network(kafka_bootstrap: str, tmp_path: Path) -> Iterator[Network]:
         return
     tag = os.getpid() % 100_000
     namespace, host_link, worker_link = f"onceflow{tag}", f"ofh{tag}", f"ofw{tag}"
-    subnet = f"10.213.{tag % 250}"
-    host_address, worker_address = f"{subnet}.1", f"{subnet}.2"
+    subnet = random.randrange(1 << 14) * 4  # a /30 of 10.213.0.0/16
+    host_address = f"10.213.{subnet >> 8}.{(subnet & 255) + 1}"
+    worker_address = f"10.213.{subnet >> 8}.{(subnet & 255) + 2}"
     inside = ("ip", "netns", "exec", namespace)
     relays: list[subprocess.Popen] = []
     try:

@@ -7,9 +7,11 @@ import logging
 import time
 from types import SimpleNamespace
 
-from confluent_kafka import KafkaError
+import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from onceflow.connectors import kafka_clients
+from onceflow.connectors.errors import KafkaUnreachableError
 
 
 def test_repeated_lines_are_held_back_and_counted(monkeypatch):
@@ -54,18 +56,44 @@ def _report(conf: dict[str, str], code: int, text: str) -> None:
     client["logger"].log(logging.ERROR, "%s [%s] %s", "FAIL", "rdkafka#1", f"[thrd:x]: {text}")
 
 
-def test_refused_credentials_are_named_by_setting_and_end_the_retries_at_once():
+REFUSED = (
+    "SASL authentication error: Authentication failed during authentication due to invalid "
+    "credentials with SASL mechanism SCRAM-SHA-512"
+)
+
+
+def test_refused_credentials_are_named_by_setting_and_end_the_retries_after_a_grace():
     since = time.monotonic()
-    _report(SECURED, KafkaError._AUTHENTICATION, "SASL authentication error: Authentication failed")
+    _report(SECURED, KafkaError._AUTHENTICATION, REFUSED)
     message = kafka_clients._why_unreachable(SECURED, since, "timed out")
     assert message == (
-        "Kafka at b:9096 refused the credentials of user 'app' (SCRAM-SHA-512): SASL "
-        "authentication error: Authentication failed. Check kafka.sasl.username, "
-        "kafka.sasl.password and kafka.sasl.mechanism."
+        f"Kafka at b:9096 refused the credentials of user 'app' (SCRAM-SHA-512): {REFUSED}. "
+        "Check kafka.sasl.username, kafka.sasl.password and kafka.sasl.mechanism."
     )
-    state = SimpleNamespace(seconds_since_start=0.1, args=(SECURED,), start_time=since)
+    grace = kafka_clients.REFUSAL_GRACE_S
+    state = SimpleNamespace(seconds_since_start=grace, args=(SECURED,), start_time=since)
     assert kafka_clients._gives_up(state)
+    # A user created a moment ago is refused in the same words until it reaches the broker.
+    assert not kafka_clients._gives_up(SimpleNamespace(**{**vars(state), "seconds_since_start": 1}))
     assert not kafka_clients._gives_up(SimpleNamespace(**{**vars(state), "args": ({},)}))
+
+
+def test_an_authentication_cut_short_by_the_network_is_retried():
+    """librdkafka reports a connection lost during the SASL handshake as an authentication
+    error too; only the broker's refusal ends the retries early."""
+    conf = {**SECURED, "bootstrap.servers": "b:9099"}
+    since = time.monotonic()
+    lost = (
+        "SASL SCRAM-SHA-512 mechanism handshake failed: Local: Broker transport failure: "
+        "broker's supported mechanisms: (n/a)"
+    )
+    _report(conf, KafkaError._AUTHENTICATION, lost)
+    state = SimpleNamespace(seconds_since_start=30, args=(conf,), start_time=since)
+    assert not kafka_clients._gives_up(state)
+    message = kafka_clients._why_unreachable(conf, since, "timed out")
+    assert message.startswith(
+        f"Kafka at b:9099 did not answer within 60s; the client's last error: {lost}."
+    )
 
 
 def test_a_tls_listener_hanging_up_on_a_plaintext_client_says_which_setting_to_check():
@@ -75,8 +103,8 @@ def test_a_tls_listener_hanging_up_on_a_plaintext_client_says_which_setting_to_c
     _report(conf, KafkaError._TRANSPORT, hung_up)
     kafka_clients.client_conf(conf)["error_cb"](KafkaError(KafkaError._ALL_BROKERS_DOWN))
     message = kafka_clients._why_unreachable(conf, since, "timed out")
-    assert f"the client's last error: {hung_up}. The broker hung up" in message
-    assert "check kafka.security.protocol (SASL_PLAINTEXT)" in message
+    assert f"the client's last error: {hung_up}. The broker closed the connection" in message
+    assert "set kafka.security.protocol (SASL_PLAINTEXT) to SSL or SASL_SSL" in message
     assert "hunter2" not in message
 
 
@@ -85,3 +113,27 @@ def test_an_error_from_before_this_request_is_not_its_cause():
     _report(conf, KafkaError._SSL, "certificate verify failed")
     message = kafka_clients._why_unreachable(conf, time.monotonic() + 1, "Local: Timed out")
     assert "the client's last error: Local: Timed out." in message
+
+
+def test_an_error_queued_before_a_request_is_not_taken_for_its_cause(monkeypatch):
+    """librdkafka queues a client's errors until it is polled, and they are stamped when
+    delivered: a refusal queued before this request must not be named as its cause."""
+    conf = {"bootstrap.servers": "b:9100", "sasl.username": "app", "sasl.mechanism": "PLAIN"}
+    remember = kafka_clients.client_conf(conf)["error_cb"]
+    queued = [KafkaError(KafkaError._AUTHENTICATION, REFUSED)]
+
+    class QueuingAdmin:
+        def poll(self, timeout: float) -> None:
+            while queued:
+                remember(queued.pop())
+
+    monkeypatch.setattr(kafka_clients, "admin", lambda conf: QueuingAdmin())
+    monkeypatch.setenv("ONCEFLOW_KAFKA_TIMEOUT", "0.2")
+
+    @kafka_clients.kafka_request
+    def look_up(conf: dict[str, str]) -> None:
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT, "Local: Broker transport failure"))
+
+    with pytest.raises(KafkaUnreachableError) as failed:
+        look_up(conf)
+    assert str(failed.value).startswith("Kafka at b:9100 did not answer within 0.2s"), failed.value

@@ -1,0 +1,417 @@
+"""Recovery: restart to first output, progress under a crash loop, the empty epoch's cost.
+
+    .venv/bin/python -m bench.recovery        # make bench-recovery
+
+1. Restart to output. A windowed pipeline (tumbling 10 s windows per user, RocksDB state)
+   first runs over a small input, so that its checkpoint and state exist. Then, each round,
+   a backlog of 100,000 clicks whose event times continue the previous round's is produced,
+   and the pipeline is started again (`onceflow run --available-now`, as after a crash):
+   timed from the process start to the first new output record readable with
+   `read_committed`, with the times of the start-up steps from its log (metrics server up,
+   query started, first epoch done). Median, min and max of the warm rounds; "cold" is one
+   round after dropping the OS page cache (root only; skipped, and said so, otherwise).
+2. Crash loop. The pipeline runs while a producer writes clicks at a steady rate, and is
+   SIGKILLed a fixed time after each start, round after round. The epochs committed per
+   round are counted from the checkpoint's commit log; then the rest is drained and
+   `onceflow verify` checks that the output is exactly once.
+3. Small epochs. The pipeline runs on a trickle of input (a few records per epoch); the
+   median duration of its epochs and of their plan, process and commit phases, from its
+   progress lines: the fixed cost of an epoch (Spark runs no epoch without new input).
+
+Writes bench/results/recovery.json and recovery.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from onceflow.connectors.topics import create_topic
+from onceflow.local_kafka import LocalKafka
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+PARTITIONS = 2
+USERS = [f"user-{i}" for i in range(50)]
+BASE_MS = 1_700_000_000_000
+ROUND_SPAN_MS = 3_600_000  # event time covered by one round's backlog
+
+
+class Clicks:
+    """Click records whose event times only move forward, round after round."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.topic = topic
+        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20})
+        self.rng = random.Random(11)
+        self.next_ms = BASE_MS
+
+    def produce(self, count: int, span_ms: int = ROUND_SPAN_MS) -> None:
+        step = max(1, span_ms // max(count, 1))
+        for _ in range(count):
+            user = self.rng.choice(USERS)
+            value = json.dumps(
+                {"user": user, "bytes": self.rng.randint(200, 20_000), "ts": self.next_ms}
+            )
+            while True:
+                try:
+                    self.producer.produce(self.topic, key=user.encode(), value=value.encode())
+                    break
+                except BufferError:
+                    self.producer.poll(0.05)
+            self.next_ms += step
+        assert self.producer.flush(60) == 0, "the bench producer could not deliver its clicks"
+
+
+class OutputWatch:
+    """The first record appended to the output topic after `arm()`, read_committed."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"bench-recovery-{uuid.uuid4()}",
+                "isolation.level": "read_committed",
+                "enable.auto.commit": False,
+            }
+        )
+        self.topic = topic
+
+    def arm(self) -> None:
+        """Start at the current end of every partition: only new output counts."""
+        ends = []
+        for p in range(PARTITIONS):
+            _, high = self.consumer.get_watermark_offsets(TopicPartition(self.topic, p), 10)
+            ends.append(TopicPartition(self.topic, p, high))
+        self.consumer.assign(ends)
+
+    def first(self, process: subprocess.Popen, timeout: float) -> float | None:
+        """time.monotonic() when the first new output record arrived; None if the process
+        ended or `timeout` passed first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            message = self.consumer.poll(0.05)
+            if message is not None and message.error() is None:
+                return time.monotonic()
+            if process.poll() is not None:  # its output may still be on the way
+                deadline = min(deadline, time.monotonic() + 5)
+        return None
+
+
+class Bench:
+    def __init__(self, bootstrap: str, work: Path, backlog: int) -> None:
+        self.bootstrap, self.work, self.backlog = bootstrap, work, backlog
+
+    def topic(self, name: str) -> str:
+        topic = f"recovery-{name}-{uuid.uuid4().hex[:6]}"
+        create_topic(self.bootstrap, topic, PARTITIONS)
+        return topic
+
+    def pipeline(self, name: str, source: str, output: str, **extra) -> Path:
+        config = {
+            "app_id": f"recovery-{name}-{uuid.uuid4().hex[:6]}",
+            "kafka": {"bootstrap_servers": self.bootstrap},
+            "source": {
+                "topics": [source],
+                "starting_offsets": "earliest",
+                "format": "json",
+                "schema": "user STRING, bytes LONG, ts LONG",
+                "max_records_per_batch": 50_000,
+            },
+            "event_time": {"field": "ts", "watermark_delay": "1s"},
+            "window": {
+                "type": "tumbling",
+                "size": "10s",
+                "key": "user",
+                "aggregations": {"clicks": "count(*)", "bytes": "sum(bytes)"},
+            },
+            "sink": {"topic": output},
+            "checkpoint": {"location": str(self.work / f"ck-{name}")},
+            "spark": {"master": "local[2]"},
+            "metrics": {"port": 0},
+            **extra,
+        }
+        path = self.work / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def start(self, path: Path, log: Path, *args: str) -> subprocess.Popen:
+        env = {**os.environ, "ONCEFLOW_LOG_FORMAT": "json"}
+        with open(log, "ab") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "onceflow.cli", "run", *args, str(path)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
+            )
+
+    # -- 1. restart to output ----------------------------------------------------------------
+
+    def restart_to_output(self, rounds: int, cold: bool) -> dict:
+        source, output = self.topic("in"), self.topic("out")
+        path = self.pipeline("restart", source, output)
+        clicks, watch = Clicks(self.bootstrap, source), OutputWatch(self.bootstrap, output)
+        clicks.produce(5_000)
+        print("  first run: creating the checkpoint and state ...", flush=True)
+        assert self.start(path, self.work / "restart-0.log", "--available-now").wait() == 0
+
+        def one(label: str) -> dict:
+            clicks.produce(self.backlog)
+            watch.arm()
+            log = self.work / f"restart-{label}.log"
+            log.unlink(missing_ok=True)
+            wall, t0 = time.time(), time.monotonic()
+            process = self.start(path, log, "--available-now")
+            first = watch.first(process, timeout=600)
+            code = process.wait()
+            assert code == 0 and first is not None, f"round {label} failed, see {log}"
+            steps = _startup_steps(log, wall)
+            result = {"seconds": round(first - t0, 2), **steps}
+            print(f"  {label}: first output after {result['seconds']:.1f}s {steps}", flush=True)
+            return result
+
+        warm = [one(f"warm-{i + 1}") for i in range(rounds)]
+        seconds = [r["seconds"] for r in warm]
+        result = {
+            "backlog_records": self.backlog,
+            "warm_rounds": warm,
+            "warm_median_s": statistics.median(seconds),
+            "warm_min_s": min(seconds),
+            "warm_max_s": max(seconds),
+        }
+        if cold and _drop_page_cache():
+            result["cold"] = one("cold")
+        else:
+            result["cold"] = "not measured: dropping the page cache needs root"
+        return result
+
+    # -- 2. crash loop -----------------------------------------------------------------------
+
+    def crash_loop(self, rounds: int, kill_after_s: float, rate: int) -> dict:
+        source, output = self.topic("crash-in"), self.topic("crash-out")
+        path = self.pipeline("crash", source, output)
+        commits = self.work / "ck-crash" / "commits"
+        clicks = Clicks(self.bootstrap, source)
+        clicks.produce(rate * 5, span_ms=5_000)
+        stop = threading.Event()
+
+        def feed() -> None:
+            while not stop.is_set():
+                clicks.produce(rate // 10, span_ms=100)
+                time.sleep(0.1)
+
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        per_round = []
+        try:
+            for i in range(rounds):
+                before = _committed(commits)
+                process = self.start(path, self.work / "crash.log")
+                time.sleep(kill_after_s)
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                per_round.append(_committed(commits) - before)
+                print(f"  round {i + 1}: {per_round[-1]} epoch(s) committed", flush=True)
+        finally:
+            stop.set()
+            feeder.join()
+        drained = self.start(path, self.work / "crash.log", "--available-now").wait()
+        verify = subprocess.run(
+            [sys.executable, "-m", "onceflow.cli", "verify", "--json", str(path)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
+        report = json.loads(verify.stdout) if verify.stdout.strip() else {}
+        return {
+            "rounds": rounds,
+            "kill_after_s": kill_after_s,
+            "input_rate_per_s": rate,
+            "epochs_per_round": per_round,
+            "rounds_without_progress": sum(1 for n in per_round if n == 0),
+            "drain_exit_code": drained,
+            "verify_exit_code": verify.returncode,
+            "verify": {k: report.get(k) for k in ("ok", "duplicates", "missing") if k in report},
+        }
+
+    # -- 3. small epochs ---------------------------------------------------------------------
+
+    def small_epochs(self, seconds: float, rate: int = 5) -> dict:
+        """An epoch's fixed cost: Spark runs no epoch without new input, so the input is a
+        trickle (`rate` clicks a second, a few per epoch at the default 1 s trigger)."""
+        source, output = self.topic("trickle-in"), self.topic("trickle-out")
+        path = self.pipeline("trickle", source, output)
+        clicks = Clicks(self.bootstrap, source)
+        log = self.work / "trickle.log"
+        process = self.start(path, log)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            clicks.produce(rate, span_ms=1_000)
+            time.sleep(1)
+        process.send_signal(signal.SIGTERM)
+        process.wait(120)
+        epochs = [e for e in _epochs(log) if 0 < e["input_records"] <= 5 * rate][3:]  # warm
+        if not epochs:
+            return {"epochs": 0}
+        return {
+            "epochs": len(epochs),
+            "input_records_per_s": rate,
+            **{
+                f"{key}_median_ms": statistics.median(e[key] for e in epochs)
+                for key in ("duration_ms", "plan_ms", "process_ms", "commit_ms")
+            },
+        }
+
+
+def _committed(commits: Path) -> int:
+    """Epochs committed so far: the newest batch id in Spark's commit log, plus one."""
+    ids = [int(p.name) for p in commits.glob("[0-9]*")] if commits.exists() else []
+    return max(ids, default=-1) + 1
+
+
+def _log_lines(log: Path) -> list[dict]:
+    lines = []
+    for raw in log.read_text(errors="replace").splitlines():
+        if raw.startswith("{"):
+            with contextlib.suppress(json.JSONDecodeError):
+                lines.append(json.loads(raw))
+    return lines
+
+
+def _seconds_since(ts: str, wall: float) -> float:
+    return round(datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() - wall, 2)
+
+
+def _startup_steps(log: Path, wall: float) -> dict:
+    """Seconds from the process start to each start-up step in its log."""
+    steps: dict[str, float] = {}
+    for line in _log_lines(log):
+        message = line["message"]
+        for step, prefix in (
+            ("metrics_up_s", "metrics on http"),
+            ("query_started_s", "query "),
+            ("first_epoch_done_s", "epoch "),
+        ):
+            if step not in steps and message.startswith(prefix):
+                if step == "first_epoch_done_s" and " done: " not in message:
+                    continue
+                steps[step] = _seconds_since(line["ts"], wall)
+    return steps
+
+
+def _epochs(log: Path) -> list[dict]:
+    pattern = re.compile(
+        r"epoch \d+ done: (\d+) records in (\d+) ms \(plan (\d+), process (\d+), commit (\d+)\)"
+    )
+    epochs = []
+    for line in _log_lines(log):
+        match = pattern.match(line["message"])
+        if match:
+            records, total, plan, process, commit = map(int, match.groups())
+            epochs.append(
+                {
+                    "input_records": records,
+                    "duration_ms": total,
+                    "plan_ms": plan,
+                    "process_ms": process,
+                    "commit_ms": commit,
+                }
+            )
+    return epochs
+
+
+def _drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def report(results: dict) -> str:
+    restart, crash, small = results["restart"], results["crash_loop"], results["small_epochs"]
+    cold = restart["cold"]
+    cold_text = f"{cold['seconds']:.1f} s" if isinstance(cold, dict) else cold
+    lines = [
+        "# Recovery benchmark",
+        "",
+        f"{results['date']}, {results['machine']}. `python -m bench.recovery`.",
+        "",
+        f"- Restart to first committed output, {restart['backlog_records']:,}-record backlog, "
+        f"windowed (RocksDB): median {restart['warm_median_s']:.1f} s "
+        f"(min {restart['warm_min_s']:.1f}, max {restart['warm_max_s']:.1f}, "
+        f"{len(restart['warm_rounds'])} warm rounds); cold {cold_text}.",
+        "- Start-up steps per warm round (seconds from process start): "
+        + "; ".join(
+            ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in r.items())
+            for r in restart["warm_rounds"]
+        ),
+        f"- Crash loop (SIGKILL {crash['kill_after_s']:g} s after each start, "
+        f"{crash['input_rate_per_s']:,} clicks/s arriving): epochs committed per round "
+        f"{crash['epochs_per_round']}, {crash['rounds_without_progress']} of "
+        f"{crash['rounds']} rounds without progress; `onceflow verify` exit "
+        f"{crash['verify_exit_code']} {crash['verify']}.",
+        f"- Epochs of a few records: {small}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backlog", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=5, help="warm restart rounds")
+    parser.add_argument("--crash-rounds", type=int, default=10)
+    parser.add_argument("--kill-after", type=float, default=10.0, help="seconds")
+    parser.add_argument("--rate", type=int, default=2_000, help="clicks/s in the crash loop")
+    parser.add_argument("--trickle-seconds", type=float, default=40.0)
+    parser.add_argument("--no-cold", action="store_true", help="skip the cold round")
+    args = parser.parse_args()
+
+    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or LocalKafka.from_env().start()
+    with tempfile.TemporaryDirectory(prefix="onceflow-recovery-") as tmp:
+        bench = Bench(bootstrap, Path(tmp), args.backlog)
+        print("1. restart to output", flush=True)
+        restart = bench.restart_to_output(args.rounds, cold=not args.no_cold)
+        print("2. crash loop", flush=True)
+        crash = bench.crash_loop(args.crash_rounds, args.kill_after, args.rate)
+        print("3. small epochs", flush=True)
+        small = bench.small_epochs(args.trickle_seconds)
+    results = {
+        "date": datetime.now().strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python "
+        f"{platform.python_version()}",
+        "restart": restart,
+        "crash_loop": crash,
+        "small_epochs": small,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "recovery.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = report(results)
+    (RESULTS / "recovery.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
