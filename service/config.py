@@ -173,7 +173,9 @@ def apply_env_overrides(raw: dict, environ: Mapping[str, str]) -> None:
     """`ONCEFLOW_KAFKA__BOOTSTRAP_SERVERS=b:9092` sets kafka.bootstrap_servers, and so on.
 
     Only names with a double underscore are overrides (ONCEFLOW_HOME and friends are not).
-    Values are read as YAML scalars, so numbers and booleans keep their types.
+    Values are read as YAML scalars, so numbers and booleans keep their types; except in the
+    `kafka` section, whose librdkafka settings are strings: a password `on` or `0123` must
+    not become `True` or `83`.
     """
     for name, value in sorted(environ.items()):
         if not name.startswith(ENV_PREFIX) or "__" not in name:
@@ -184,7 +186,8 @@ def apply_env_overrides(raw: dict, environ: Mapping[str, str]) -> None:
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
                 raise ConfigError(".".join(keys), f"environment variable {name} cannot apply")
-        node[keys[-1]] = yaml.safe_load(value) if value else value
+        verbatim = keys[0] == "kafka" or not value
+        node[keys[-1]] = value if verbatim else yaml.safe_load(value)
 
 
 def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:

@@ -62,6 +62,22 @@ def test_environment_overrides_nested_fields_with_yaml_types():
     assert config.bootstrap_servers == "kafka:9092" and config.metrics_port == 9200
 
 
+def test_kafka_settings_from_the_environment_stay_strings():
+    """A password that YAML would read as a boolean or an octal number stays what it is."""
+    raw = with_()
+    apply_env_overrides(
+        raw,
+        {
+            "ONCEFLOW_KAFKA__SASL_PASSWORD": "0123",
+            "ONCEFLOW_KAFKA__SASL_USERNAME": "on",
+            "ONCEFLOW_KAFKA__SECURITY_PROTOCOL": "SASL_SSL",
+            "ONCEFLOW_KAFKA__SASL_MECHANISM": "PLAIN",
+        },
+    )
+    kafka = parse(raw).kafka
+    assert (kafka["sasl.password"], kafka["sasl.username"]) == ("0123", "on")
+
+
 @pytest.mark.parametrize(
     "sections, message",
     [

@@ -69,11 +69,12 @@ def test_kafka_runs_the_tested_version_with_single_node_transaction_settings():
 
 
 def test_kafkas_log_is_on_its_named_volume():
-    """The apache/kafka image's configureDefaults sets KAFKA_LOG_DIRS to a directory inside
-    the container when it is unset: then `down` and `up` start an empty broker."""
+    """The apache/kafka image writes server.properties from the KAFKA_* variables alone:
+    without KAFKA_LOG_DIRS the log is in Kafka's default log.dir inside the container, and
+    `down` and `up` start an empty broker."""
     kafka = SERVICES["kafka"]
     mounts = {v.split(":")[1]: v.split(":")[0] for v in kafka["volumes"]}
-    log_dirs = str(kafka["environment"].get("KAFKA_LOG_DIRS", "/tmp/kraft-combined-logs"))
+    log_dirs = str(kafka["environment"].get("KAFKA_LOG_DIRS", "/tmp/kafka-logs"))
     for log_dir in log_dirs.split(","):
         volume = next((name for path, name in mounts.items() if log_dir.startswith(path)), None)
         assert volume in COMPOSE["volumes"], f"{log_dir} is not on a named volume"
