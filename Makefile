@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 INSTALLED := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean constraints
+.PHONY: setup demo test lint bench bench-recovery clean constraints
 
 $(INSTALLED): pyproject.toml deploy/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ bench: $(INSTALLED)
 	$(VENV)/bin/python -m pip install --quiet -e '.[bench]'
 	$(VENV)/bin/onceflow kafka start
 	$(VENV)/bin/python -m bench.run $(BENCH_ARGS)
+
+# Restart to first output, progress under a SIGKILL loop, an epoch's fixed cost.
+bench-recovery: $(INSTALLED)
+	$(VENV)/bin/onceflow kafka start
+	$(VENV)/bin/python -m bench.recovery $(BENCH_ARGS)
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check service connectors tests examples bench

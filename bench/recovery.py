@@ -30,6 +30,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -390,14 +391,16 @@ def main() -> None:
     args = parser.parse_args()
 
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or LocalKafka.from_env().start()
-    with tempfile.TemporaryDirectory(prefix="onceflow-recovery-") as tmp:
-        bench = Bench(bootstrap, Path(tmp), args.backlog)
-        print("1. restart to output", flush=True)
-        restart = bench.restart_to_output(args.rounds, cold=not args.no_cold)
-        print("2. crash loop", flush=True)
-        crash = bench.crash_loop(args.crash_rounds, args.kill_after, args.rate)
-        print("3. small epochs", flush=True)
-        small = bench.small_epochs(args.trickle_seconds)
+    work = Path(tempfile.mkdtemp(prefix="onceflow-recovery-"))
+    print(f"logs and checkpoints in {work} (kept if a step fails)", flush=True)
+    bench = Bench(bootstrap, work, args.backlog)
+    print("1. restart to output", flush=True)
+    restart = bench.restart_to_output(args.rounds, cold=not args.no_cold)
+    print("2. crash loop", flush=True)
+    crash = bench.crash_loop(args.crash_rounds, args.kill_after, args.rate)
+    print("3. small epochs", flush=True)
+    small = bench.small_epochs(args.trickle_seconds)
+    shutil.rmtree(work, ignore_errors=True)
     results = {
         "date": datetime.now().strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python "
