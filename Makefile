@@ -9,6 +9,7 @@ $(INSTALLED): pyproject.toml deploy/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --progress-bar off -c deploy/constraints.txt -e '.[test]'
+	$(VENV)/bin/python -m onceflow.pyspark_bytecode
 	touch $@
 
 setup: $(INSTALLED)
