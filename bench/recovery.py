@@ -386,7 +386,7 @@ def main() -> None:
     parser.add_argument("--crash-rounds", type=int, default=10)
     parser.add_argument("--kill-after", type=float, default=10.0, help="seconds")
     parser.add_argument("--rate", type=int, default=2_000, help="clicks/s in the crash loop")
-    parser.add_argument("--trickle-seconds", type=float, default=40.0)
+    parser.add_argument("--trickle-seconds", type=float, default=60.0)
     parser.add_argument("--no-cold", action="store_true", help="skip the cold round")
     args = parser.parse_args()
 
