@@ -56,7 +56,9 @@ def add_bytecode(archive: Path) -> int:
                         pyc = importlib._bootstrap_external._code_to_hash_pyc(  # type: ignore[attr-defined]
                             code, importlib.util.source_hash(data), checked=False
                         )
-                        target.writestr(zipfile.ZipInfo(info.filename + "c", info.date_time), pyc)
+                        compiled = zipfile.ZipInfo(info.filename + "c", info.date_time)
+                        compiled.compress_type = zipfile.ZIP_DEFLATED
+                        target.writestr(compiled, pyc)
             shutil.copymode(archive, tmp)
             os.replace(tmp, archive)
         except BaseException:
