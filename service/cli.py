@@ -21,6 +21,7 @@ from onceflow.connectors.errors import EXIT_BAD_CONFIG, EXIT_FAILURE, OnceflowEr
 from . import config as pipeline_config
 from . import logs
 from .local_kafka import LocalKafka, LocalKafkaError
+from .secure_listener import SecureListenerError
 
 EXIT_OK = 0
 EXIT_BROKER_NOT_RUNNING = 3
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     except OnceflowError as exc:
         print(f"onceflow: {exc}", file=sys.stderr)
         return exc.exit_code
-    except LocalKafkaError as exc:
+    except (LocalKafkaError, SecureListenerError) as exc:
         print(f"onceflow: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:

@@ -124,13 +124,15 @@ class SecureListener:
             try:
                 if secured.list_topics(timeout=2).brokers:
                     break
+                why = "no brokers in the metadata"
             except Exception as exc:
-                if time.monotonic() > deadline:
-                    raise SecureListenerError(
-                        f"the SASL_SSL listener on {self.bootstrap} did not accept user "
-                        f"{USERNAME!r} within {USER_READY_TIMEOUT_S:.0f}s ({exc}); see the "
-                        "broker's log, then `onceflow kafka stop` and start again"
-                    ) from None
+                why = str(exc)
+            if time.monotonic() > deadline:
+                raise SecureListenerError(
+                    f"the SASL_SSL listener on {self.bootstrap} did not accept user "
+                    f"{USERNAME!r} within {USER_READY_TIMEOUT_S:.0f}s ({why}); see the "
+                    "broker's log, then `onceflow kafka stop` and start again"
+                )
             time.sleep(0.2)
         self.describe(progress)
 
