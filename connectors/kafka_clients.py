@@ -74,13 +74,13 @@ def _key(conf: dict[str, str], *extra: object) -> tuple:
     return (*sorted(conf.items()), *extra)
 
 
+# The codes of a request that got no answer at all (as opposed to an answer saying no).
+NO_ANSWER = (KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN)
+
+
 def _retriable(exc: BaseException) -> bool:
     if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
-        return exc.args[0].retriable() or exc.args[0].code() in (
-            KafkaError._TRANSPORT,
-            KafkaError._TIMED_OUT,
-            KafkaError._ALL_BROKERS_DOWN,
-        )
+        return exc.args[0].retriable() or exc.args[0].code() in NO_ANSWER
     return False
 
 
@@ -88,8 +88,7 @@ def _unreachable(retry_state) -> None:
     exc = retry_state.outcome.exception()
     conf = retry_state.args[0] if retry_state.args else {}
     code = exc.args[0].code() if exc.args and isinstance(exc.args[0], KafkaError) else None
-    transport = (KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN)
-    if code in transport or _refused_credentials(_last_error_since(conf, retry_state.start_time)):
+    if code in NO_ANSWER or _refused_credentials(_last_error_since(conf, retry_state.start_time)):
         raise KafkaUnreachableError(
             _why_unreachable(conf, retry_state.start_time, str(exc))
         ) from exc
