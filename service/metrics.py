@@ -134,7 +134,9 @@ class PipelineListener(StreamingQueryListener):
 
     def onQueryStarted(self, event) -> None:
         self.metrics.up.labels(self.metrics.app_id).set(1)
-        self.last_event = time.monotonic()
+        with self.lock:
+            self.last_event = time.monotonic()
+            self.failure = None  # the runner starts a query again after a start it missed
 
     def onQueryIdle(self, event) -> None:
         with self.lock:

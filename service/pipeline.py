@@ -25,6 +25,11 @@ from .routing import CORRUPT, HEADER_SOURCE, SOURCE_META, RoutePlan, route
 
 FORMAT = "onceflow-kafka"
 
+# Spark's words when a Python process it started did not connect back within 10 s (fixed in
+# PythonWorkerFactory.createSimpleWorker, not a setting).
+SOURCE_WORKER_LATE = "Python worker failed to connect back"
+START_ATTEMPTS = 3
+
 
 def source_stream(spark: SparkSession, config: PipelineConfig) -> DataFrame:
     reader = spark.readStream.format(FORMAT)
@@ -212,3 +217,21 @@ def _aggregate(function: str, column: str):
     if function == "count":
         return F.count(F.lit(1)) if column == "*" else F.count(column)
     return getattr(F, function)(column)
+
+
+def missed_its_start(query: StreamingQuery) -> bool:
+    """True when the query ended before its first epoch because one of Spark's Python
+    processes missed its deadline to connect back.
+
+    Spark gives the process behind a Python source (started with the query) and the one that
+    checks transformWithState's schema (first epoch) 10 s to start Python and connect; on a
+    machine short of CPU they can miss it. Starting again replays from the checkpoint, as
+    any restart does, and no epoch of this run had completed.
+    """
+    error = query.exception()
+    return (
+        not query.isActive
+        and query.lastProgress is None
+        and error is not None
+        and SOURCE_WORKER_LATE in str(error)
+    )

@@ -9,6 +9,7 @@ import threading
 import time
 
 from pyspark.errors import StreamingQueryException
+from pyspark.sql.streaming import StreamingQuery
 
 from onceflow.connectors import errors, faults
 from onceflow.connectors.checkpoint import CheckpointDir
@@ -22,6 +23,7 @@ from .spark_session import build_session
 log = logging.getLogger("onceflow.run")
 
 GRACEFUL_STOP_TIMEOUT_S = 300.0
+START_RETRY_DELAY_S = 5.0
 
 
 class PipelineFailed(errors.OnceflowError):
@@ -66,12 +68,8 @@ def run(
         for sig in (signal.SIGTERM, signal.SIGINT):
             handlers[sig] = signal.signal(sig, on_signal)
     try:
-        query = pipeline.start(spark, config, available_now, input_bytes)
-        log.info("query %s started (checkpoint %s)", config.app_id, config.checkpoint_location)
         lost = lease.lost if lease is not None else threading.Event()
-        with contextlib.suppress(StreamingQueryException):  # reported below, in one line
-            while query.isActive and not stop.is_set() and not lost.is_set():
-                query.awaitTermination(0.5)
+        query = _run_query(spark, config, available_now, input_bytes, stop, lost)
         if lost.is_set():
             query.stop()
             cause = lease.lost_error()
@@ -98,6 +96,40 @@ def run(
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+def _run_query(
+    spark,
+    config: PipelineConfig,
+    available_now: bool,
+    input_bytes,
+    stop: threading.Event,
+    lost: threading.Event,
+) -> StreamingQuery:
+    """Start the query and wait until it ends or `stop` or `lost` is set; start it again
+    after a start it missed (`pipeline.missed_its_start`), up to START_ATTEMPTS starts."""
+    for attempt in range(1, pipeline.START_ATTEMPTS + 1):
+        query = pipeline.start(spark, config, available_now, input_bytes)
+        log.info("query %s started (checkpoint %s)", config.app_id, config.checkpoint_location)
+        with contextlib.suppress(StreamingQueryException):  # run() reports it, in one line
+            while query.isActive and not stop.is_set() and not lost.is_set():
+                query.awaitTermination(0.5)
+        if not pipeline.missed_its_start(query) or lost.is_set():
+            break
+        if attempt == pipeline.START_ATTEMPTS or stop.is_set():
+            raise PipelineFailed(_late_source_worker(attempt))
+        log.warning(
+            "Spark's Python source worker did not connect back within Spark's 10 s "
+            "(start %d of %d); starting the query again in %.0f s",
+            attempt,
+            pipeline.START_ATTEMPTS,
+            START_RETRY_DELAY_S,
+        )
+        with contextlib.suppress(StreamingQueryException):
+            query.awaitTermination()  # Spark refuses a query id it has not yet forgotten
+        if stop.wait(START_RETRY_DELAY_S):  # the late process may still be starting
+            raise PipelineFailed(_late_source_worker(attempt))
+    return query
 
 
 def _deliver_pending_events(spark, timeout_ms: int = 10_000) -> None:
@@ -149,6 +181,14 @@ def _stop_after_current_epoch(query) -> None:
     query.stop()
     last = query.lastProgress
     log.info("stopped after epoch %d", last.batchId if last else -1)
+
+
+def _late_source_worker(attempts: int) -> str:
+    return (
+        f"Spark's Python source worker did not connect back within Spark's 10 s ({attempts} "
+        f"of {pipeline.START_ATTEMPTS} starts): the machine is short of CPU; give the service "
+        "more cores or run less beside it, then start it again"
+    )
 
 
 def failure(error_text: str) -> PipelineFailed:

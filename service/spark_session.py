@@ -19,6 +19,9 @@ DEFAULT_CONF = {
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     # A failed task is a failed epoch: Spark retries the whole batch from its offset log.
     "spark.task.maxFailures": "1",
+    # Python processes wait this long for the JVM's socket (Spark's default 15 s); a machine
+    # short of CPU for that long should slow the pipeline down, not fail it.
+    "spark.python.authenticate.socketTimeout": "120s",
     # Spark's default, plus librdkafka's secrets that it misses (`kafka.ssl.key.pem`, a JAAS
     # line): option values whose names match are redacted wherever Spark shows them.
     "spark.redaction.regex": r"(?i)secret|password|token|access[.]?key|pem|jaas",

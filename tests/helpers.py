@@ -10,8 +10,10 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 
 from confluent_kafka import Producer
+from pyspark.errors import StreamingQueryException
 
 from onceflow.local_kafka import LocalKafka
+from onceflow.pipeline import START_ATTEMPTS, missed_its_start
 
 
 def produce(
@@ -108,6 +110,23 @@ def source_reader(spark, bootstrap: str, topic: str, **options: str):
     return reader.load()
 
 
+def started(writer):
+    """`writer.start()`, with the first epoch planned or the query ended; started again, as
+    `onceflow run` does, when it missed its start (Spark's Python source worker was late)."""
+    for _ in range(START_ATTEMPTS):
+        query = writer.start()
+        wait_until(
+            lambda q=query: q.lastProgress is not None or not q.isActive,
+            300,
+            "the query's first epoch or its end",
+        )
+        if not missed_its_start(query):
+            return query
+        with contextlib.suppress(StreamingQueryException):
+            query.awaitTermination()
+    return query
+
+
 def drain(df, checkpoint: str) -> tuple[list, list]:
     """Run `df` with Trigger.AvailableNow; return (rows in batch order, progress reports).
 
@@ -118,11 +137,10 @@ def drain(df, checkpoint: str) -> tuple[list, list]:
     def collect(batch, batch_id: int) -> None:
         rows.extend(batch.collect())
 
-    query = (
+    query = started(
         df.writeStream.foreachBatch(collect)
         .option("checkpointLocation", checkpoint)
         .trigger(availableNow=True)
-        .start()
     )
     query.awaitTermination(300)
     if query.exception() is not None:

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from onceflow.spark_session import build_session
+from tests.helpers import started
 
 
 def main() -> int:
@@ -27,7 +28,7 @@ def main() -> int:
         .option("maxOffsetsPerTrigger", args.max_per_batch)
         .load()
     )
-    query = (
+    query = started(
         source.selectExpr("key", "value")
         .writeStream.format("onceflow-kafka")
         .option("kafka.bootstrap.servers", args.bootstrap)
@@ -35,7 +36,6 @@ def main() -> int:
         .option("appId", args.app)
         .option("checkpointLocation", args.checkpoint)
         .trigger(availableNow=True)
-        .start()
     )
     query.awaitTermination()
     if query.exception() is not None:

@@ -8,7 +8,10 @@ import json
 import os
 import subprocess
 import sys
-from collections import defaultdict
+import urllib.error
+import urllib.request
+from collections import Counter, defaultdict
+from pathlib import Path
 
 import pytest
 import yaml
@@ -17,7 +20,7 @@ from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from onceflow.config import parse
 from onceflow.connectors.topics import create_topic, read_committed
 from onceflow.runner import run
-from tests.helpers import own_broker, produce, wait_until
+from tests.helpers import free_port, own_broker, produce, wait_until
 
 pytestmark = pytest.mark.integration
 BASE = 1_700_000_000_000  # event times start here (ms)
@@ -534,3 +537,94 @@ def test_a_broker_that_stops_mid_run_ends_the_run_in_one_line(tmp_path):
     assert "Connection refused" in last, last
     assert "Traceback" not in stderr, stderr[-3000:]
     assert len(stderr.splitlines()) < 40, stderr[-3000:]
+
+
+def late_source_worker(tmp_path, times: int) -> Path:
+    """A python for Spark that sleeps 12 s before the first `times` starts of the process
+    behind a Python source: past the 10 s Spark gives it to connect back."""
+    python = tmp_path / "python"
+    python.write_text(
+        "#!/bin/sh\n"
+        'if [ "$2" = pyspark.sql.streaming.python_streaming_source_runner ] && '
+        f"[ $(ls {tmp_path} | grep -c late-) -lt {times} ] && mktemp -p {tmp_path} late-XXXX "
+        ">/dev/null; then sleep 12; fi\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    return python
+
+
+def raw_pipeline(topics, tmp_path, bootstrap: str, **metrics) -> Path:
+    raw = pipeline(topics, tmp_path, bootstrap)
+    raw["source"]["format"] = "raw"
+    raw.pop("event_time")
+    raw["sink"].pop("late_topic")
+    raw["metrics"] = metrics
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_a_source_worker_that_misses_sparks_deadline_is_started_again(
+    kafka_bootstrap, topics, tmp_path
+):
+    """Spark gives the Python process behind a Python source 10 s to connect back; a start
+    that misses them (a machine short of CPU, made here by a python that sleeps 12 s the
+    first time) is started again: the run is exactly once and its health is ok."""
+    port = free_port()
+    path = raw_pipeline(topics, tmp_path, kafka_bootstrap, port=port)
+    values = [b"v%d" % i for i in range(20)]
+    produce(kafka_bootstrap, topics["in"], [(None, v, i % 2) for i, v in enumerate(values)])
+    run = subprocess.Popen(
+        [sys.executable, "-m", "onceflow.cli", "run", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYSPARK_PYTHON": str(late_source_worker(tmp_path, times=1))},
+    )
+
+    def published() -> bool:
+        assert run.poll() is None, "the run ended"
+        return len(read_committed(kafka_bootstrap, topics["out"])) >= len(values)
+
+    try:
+        wait_until(published, 180, "the output after the second start")
+        wait_until(lambda: health(port) == 200, 60, "/healthz 200 after the second start")
+    finally:
+        run.terminate()
+        _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr[-3000:]
+    assert "within Spark's 10 s (start 1 of 3); starting the query again" in stderr
+    published = Counter(m.value() for m in read_committed(kafka_bootstrap, topics["out"]))
+    assert published == Counter(values)
+
+
+def test_a_source_worker_late_at_every_start_ends_the_run_saying_so(
+    kafka_bootstrap, topics, tmp_path
+):
+    path = raw_pipeline(topics, tmp_path, kafka_bootstrap)
+    produce(kafka_bootstrap, topics["in"], [(None, b"v", 0)])
+    run = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", "run", str(path), "--available-now"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYSPARK_PYTHON": str(late_source_worker(tmp_path, times=3))},
+    )
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        "onceflow: Spark's Python source worker did not connect back within "
+        "Spark's 10 s (3 of 3 starts): the machine is short of CPU; give the service more "
+        "cores or run less beside it, then start it again"
+    )
+    assert read_committed(kafka_bootstrap, topics["out"]) == []
+
+
+def health(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0

@@ -20,7 +20,7 @@ from onceflow.connectors.publisher import (
     TransactionalPublisher,
 )
 from onceflow.connectors.topics import read_committed
-from tests.helpers import drain, produce, source_reader, wait_until
+from tests.helpers import drain, produce, source_reader, started, wait_until
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -153,15 +153,13 @@ def test_sink_without_app_id_fails_naming_the_option(spark, kafka_bootstrap, new
     produce(kafka_bootstrap, topic, [(None, b"x", 0)])
     df = source_reader(spark, kafka_bootstrap, topic).selectExpr("value")
     with pytest.raises(Exception, match="needs option 'appId'"):
-        (
+        started(
             df.writeStream.format("onceflow-kafka")
             .option("kafka.bootstrap.servers", kafka_bootstrap)
             .option("topic", topic)
             .option("checkpointLocation", str(tmp_path / "ck"))
             .trigger(availableNow=True)
-            .start()
-            .awaitTermination()
-        )
+        ).awaitTermination()
     assert drain  # the shared helper module stays imported for the other tests
 
 

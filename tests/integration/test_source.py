@@ -13,7 +13,7 @@ from pyspark.errors import StreamingQueryException
 from onceflow.connectors import kafka_clients, offsets
 from onceflow.connectors.checkpoint import CheckpointDir
 from onceflow.connectors.source import OffsetRange
-from tests.helpers import drain, produce, source_reader, wait_until
+from tests.helpers import drain, produce, source_reader, started, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -91,13 +91,12 @@ def test_open_input_transaction_holds_back_only_its_partition(
     open_txn.flush(30)
 
     name = f"open_{uuid.uuid4().hex[:8]}"
-    query = (
+    query = started(
         source_reader(spark, kafka_bootstrap, topic)
         .writeStream.format("memory")
         .queryName(name)
         .option("checkpointLocation", str(tmp_path / "ck"))
         .trigger(processingTime="200 milliseconds")
-        .start()
     )
     try:
 
