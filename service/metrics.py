@@ -195,13 +195,12 @@ class PipelineListener(StreamingQueryListener):
         m.phase_seconds.labels(app, "plan").observe(plan_ms / 1000)
         m.phase_seconds.labels(app, "process").observe(process_ms / 1000)
         m.phase_seconds.labels(app, "commit").observe(commit_ms / 1000)
+        processed_ends: dict[tuple[str, int], int] = {}
         for source in progress.sources:
-            _lag(m, app, source.endOffset, source.latestOffset)
-        self.processed_ends = {
-            tp: offset
-            for source in progress.sources
-            for tp, offset in offsets.positions(json.loads(source.endOffset or "{}")).items()
-        }
+            ends = _positions(source.endOffset)
+            _lag(m, app, ends, _positions(source.latestOffset))
+            processed_ends |= ends
+        self.processed_ends = processed_ends  # the lag probe reads it from its thread
         watermark = (progress.eventTime or {}).get("watermark")
         seconds = (
             datetime.fromisoformat(watermark.replace("Z", "+00:00")).timestamp() if watermark else 0
@@ -250,11 +249,21 @@ class PipelineListener(StreamingQueryListener):
             return True, "ok"
 
 
-def _lag(metrics: PipelineMetrics, app: str, end: str | None, latest: str | None) -> None:
-    if not end or not latest:
-        return
-    ends = offsets.positions(json.loads(end))
-    for (topic, partition), offset in offsets.positions(json.loads(latest)).items():
+def _positions(reported: str | None) -> dict[tuple[str, int], int]:
+    """The offsets of a source's progress. PySpark turns an offset Spark did not report into
+    the string "None": a batch replayed after a restart has no latest offset."""
+    if reported in (None, "", "None", "null"):
+        return {}
+    return offsets.positions(json.loads(reported))
+
+
+def _lag(
+    metrics: PipelineMetrics,
+    app: str,
+    ends: dict[tuple[str, int], int],
+    latest: dict[tuple[str, int], int],
+) -> None:
+    for (topic, partition), offset in latest.items():
         done = ends.get((topic, partition), 0)
         metrics.source_lag.labels(app, topic, str(partition)).set(max(0, offset - done))
 
