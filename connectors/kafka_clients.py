@@ -308,6 +308,17 @@ def metadata(conf: dict[str, str]):
 
 
 @kafka_request
+def topic_metadata(conf: dict[str, str], topic: str):
+    """One topic's metadata (None if it does not exist), without listing every topic."""
+    meta = admin(conf).list_topics(topic, timeout=REQUEST_TIMEOUT_S).topics.get(topic)
+    if meta is None or meta.error is None:
+        return meta
+    if meta.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+        return None
+    raise KafkaException(meta.error)
+
+
+@kafka_request
 def topic_ids(conf: dict[str, str], topics: Iterable[str]) -> dict[str, str | None]:
     """The id of each topic, in Kafka's own text form (as `kafka-topics.sh --describe` shows
     it): a topic deleted and created again under its name gets a new one.

@@ -1,24 +1,53 @@
-"""Commit markers: which epoch each sink last published, stored in a compacted Kafka topic.
+"""Commit markers: which epoch each sink last published, stored in Kafka.
 
 A marker is produced in the same Kafka transaction as the epoch's output, so for a
 `read_committed` reader the marker is visible if and only if the output is.
+
+Each sink has a marker topic of its own (`marker_topic_for`), so finding its last marker costs
+the same beside one app or ten thousand, after ten epochs or ten million: the sink is the
+topic's only writer, so no other app's open transaction stands in front of its markers, and
+its last marker is read from the topic's end backwards (`newest_with_key`). A topic named in
+`sink.marker_topic` may be shared by several sinks; markers are keyed by sink, and the search
+from the end goes back as far as the sink's newest marker. Markers that versions before
+per-sink topics wrote to the shared `onceflow.commits` are read there while the sink's own
+topic holds no marker of it, so an upgraded app does not publish its last epoch again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
 from . import kafka_clients
 from .errors import OnceflowError
-from .topics import create_topic, read_committed
+from .offsets import TP
+from .topics import create_topic
 
 log = logging.getLogger("onceflow.sink")
 
-DEFAULT_MARKER_TOPIC = "onceflow.commits"
-MARKER_TOPIC_CONFIG = {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"}
+MARKER_TOPIC_PREFIX = "onceflow.commits."
+LEGACY_MARKER_TOPIC = "onceflow.commits"  # shared by every sink, before per-sink topics
+MARKER_TOPIC_CONFIG = {
+    "cleanup.policy": "compact",
+    "min.compaction.lag.ms": "0",
+    # Roll hourly, so that compaction (which skips the active segment) keeps the topic small.
+    "segment.ms": "3600000",
+    # A tombstone (an app reset on purpose) is not compacted away (100 years: for ever, and
+    # the broker's "now + retention" stays far from overflow): without it, the sink's markers
+    # in LEGACY_MARKER_TOPIC would count again.
+    "delete.retention.ms": str(100 * 365 * 24 * 3600 * 1000),
+}
+FIRST_SPAN = 64  # offsets read first from a partition's end; each further read is 8x longer
+MAX_TOPIC_NAME = 249
+_NOT_IN_TOPIC_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
 @dataclass(frozen=True)
@@ -40,24 +69,107 @@ class Marker:
         return cls(**json.loads(raw))
 
 
+def marker_topic_for(sink: str) -> str:
+    """The marker topic of the sink whose transactional id is `sink`: the id itself where
+    Kafka allows it in a topic name, else a readable part of it and its hash."""
+    name = MARKER_TOPIC_PREFIX + sink
+    if len(name) <= MAX_TOPIC_NAME and not _NOT_IN_TOPIC_NAME.search(sink):
+        return name
+    digest = hashlib.sha256(sink.encode()).hexdigest()[:16]
+    readable = _NOT_IN_TOPIC_NAME.sub("_", sink)[: MAX_TOPIC_NAME - len(MARKER_TOPIC_PREFIX) - 17]
+    return f"{MARKER_TOPIC_PREFIX}{readable}-{digest}"
+
+
 def ensure_marker_topic(conf: dict[str, str], topic: str) -> None:
     """Create the compacted marker topic if it is missing (one partition keeps order simple)."""
     create_topic(conf, topic, 1, MARKER_TOPIC_CONFIG)
 
 
-def last_marker(conf: dict[str, str], topic: str, sink: str, wait_s: float) -> Marker | None:
-    """The newest committed marker of `sink` (the marker topic is small: it is compacted).
+def last_marker(
+    conf: dict[str, str],
+    topic: str,
+    sink: str,
+    wait_s: float,
+    legacy_topic: str | None = None,
+) -> Marker | None:
+    """The newest committed marker of `sink` in `topic`; while `topic` holds none, the newest
+    in `legacy_topic` (if that exists).
 
-    A `read_committed` reader stops at the first open transaction, and the marker topic is
-    shared: another app's open transaction would hide this sink's newer markers behind it.
-    So first wait (up to `wait_s`) until every transaction open on the topic now is settled.
+    A tombstone (null value) deletes the sink's history: the app starts over on purpose. It
+    counts as a marker, so the legacy topic is not read after it; marker topics keep
+    tombstones for ever (MARKER_TOPIC_CONFIG).
     """
-    partitions = sorted(kafka_clients.metadata(conf).topics[topic].partitions)
-    tps = [(topic, p) for p in partitions]
+    record = _newest_committed(conf, topic, sink.encode(), wait_s)
+    if record is None and legacy_topic and _exists(conf, legacy_topic):
+        record = _newest_committed(conf, legacy_topic, sink.encode(), wait_s)
+        if record is not None:
+            log.info("sink %s: last marker read from %s (before %s)", sink, legacy_topic, topic)
+    return Marker.decode(record.value()) if record is not None and record.value() else None
+
+
+def newest_with_key(
+    read: Callable[[int, int], list], key: bytes, low: int, end: int, span: int = FIRST_SPAN
+):
+    """The last record with `key` among offsets [low, end), reading backwards from `end`:
+    `read(lo, hi)` returns the records in [lo, hi), in offset order. The spans read grow
+    eightfold, so a key that is near the end (a sink's own topic) costs one short read, and
+    one that is absent costs about as much as reading the partition once."""
+    hi = end
+    while hi > low:
+        lo = max(low, hi - span)
+        found = [record for record in read(lo, hi) if record.key() == key]
+        if found:
+            return found[-1]
+        hi, span = lo, span * 8
+    return None
+
+
+def _newest_committed(conf: dict[str, str], topic: str, key: bytes, wait_s: float):
+    """The newest committed record with `key` in `topic` (None if there is none).
+
+    A `read_committed` reader stops at the first open transaction. A sink's own topic has
+    none once its producer's init_transactions settled what a predecessor left open; a
+    shared one can hold another sink's, which would hide this sink's newer markers behind
+    it. So first wait (up to `wait_s`) until every transaction open on the topic now is
+    settled.
+    """
+    tps = [(topic, p) for p in _partitions(conf, topic)]
+    ends = _settled_ends(conf, topic, tps, wait_s)
+    lows = kafka_clients.earliest(conf, tps)
+    consumer = Consumer(
+        {
+            **kafka_clients.client_conf(conf),
+            "group.id": f"onceflow-marker-reader-{uuid.uuid4()}",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "enable.partition.eof": False,
+        }
+    )
+    deadline = time.monotonic() + kafka_clients.retry_budget_s()
+    try:
+        newest = None
+        for tp in tps:  # a key lives in one partition (Kafka's partitioner hashes it)
+            record = newest_with_key(
+                lambda lo, hi, tp=tp: _read_range(consumer, tp, lo, hi, deadline),
+                key,
+                lows[tp],
+                ends[tp],
+            )
+            newest = record if record is not None else newest
+        return newest
+    finally:
+        consumer.close()
+
+
+def _settled_ends(conf: dict[str, str], topic: str, tps: list[TP], wait_s: float) -> dict:
+    """The stable end of each partition once the transactions open on it now are settled."""
     written = kafka_clients.high_watermarks(conf, tps)
     deadline = time.monotonic() + wait_s
     logged = False
-    while any(o < written[tp] for tp, o in kafka_clients.stable_ends(conf, tps).items()):
+    while True:
+        ends = kafka_clients.stable_ends(conf, tps)
+        if all(ends[tp] >= written[tp] for tp in tps):
+            return ends
         if time.monotonic() > deadline:
             raise OnceflowError(
                 f"a transaction on the marker topic {topic!r} stayed open for over {wait_s:.0f} "
@@ -68,7 +180,38 @@ def last_marker(conf: dict[str, str], topic: str, sink: str, wait_s: float) -> M
             log.info("waiting for transactions open on %s to settle before reading it", topic)
             logged = True
         time.sleep(0.05)
-    key = sink.encode()
-    records = [m for m in read_committed(conf, topic) if m.key() == key]
-    # A tombstone (null value) deletes the sink's history: the app starts over on purpose.
-    return Marker.decode(records[-1].value()) if records and records[-1].value() else None
+
+
+def _read_range(consumer: Consumer, tp: TP, lo: int, hi: int, deadline: float) -> list[Message]:
+    """The committed records of offsets [lo, hi) of one partition, in offset order; done when
+    the consumer's position reaches `hi` (transaction markers and aborted records leave gaps)."""
+    topic, partition = tp
+    consumer.assign([TopicPartition(topic, partition, lo)])
+    records: list[Message] = []
+    try:
+        while True:
+            for msg in consumer.consume(1_000, 0.2):
+                if msg.error() is not None:
+                    raise KafkaException(msg.error())
+                if msg.offset() < hi:
+                    records.append(msg)
+            if consumer.position([TopicPartition(topic, partition)])[0].offset >= hi:
+                return records
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"reading offsets {lo}-{hi} of the marker topic {topic} [{partition}] did "
+                    "not finish in time; check the broker's health, then restart"
+                )
+    finally:
+        consumer.unassign()
+
+
+def _partitions(conf: dict[str, str], topic: str) -> list[int]:
+    meta = kafka_clients.topic_metadata(conf, topic)
+    if meta is None:
+        raise OnceflowError(f"the marker topic {topic!r} does not exist; it is created at start")
+    return sorted(meta.partitions)
+
+
+def _exists(conf: dict[str, str], topic: str) -> bool:
+    return kafka_clients.topic_metadata(conf, topic) is not None

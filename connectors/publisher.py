@@ -72,10 +72,12 @@ class EpochPublisher:
         marker_topic: str,
         dead_letter_topic: str | None = None,
         transaction_timeout_s: float = DEFAULT_TRANSACTION_TIMEOUT_S,
+        legacy_marker_topic: str | None = None,
     ) -> None:
         self.conf = conf
         self.transactional_id = transactional_id  # also the marker's key: the sink's name
         self.marker_topic = marker_topic
+        self.legacy_marker_topic = legacy_marker_topic  # read while marker_topic has none
         self.dead_letter_topic = dead_letter_topic
         self.timeout_s = transaction_timeout_s
         self.producer: Producer | None = None
@@ -110,7 +112,11 @@ class EpochPublisher:
             producer = Producer(kafka_clients.client_conf(self.producer_config()))
             self._init(producer)
             self.last = last_marker(
-                self.conf, self.marker_topic, self.transactional_id, 2 * self.timeout_s
+                self.conf,
+                self.marker_topic,
+                self.transactional_id,
+                2 * self.timeout_s,
+                self.legacy_marker_topic,
             )
             self.stats.last_committed_batch = self.last.batch_id if self.last else -1
             self.producer = producer
@@ -498,6 +504,7 @@ def publisher_for(
     dead_letter_topic: str | None = None,
     exactly_once: bool = True,
     transaction_timeout_s: float = DEFAULT_TRANSACTION_TIMEOUT_S,
+    legacy_marker_topic: str | None = None,
 ) -> EpochPublisher:
     """The process-wide publisher of a sink: its producer lives across epochs."""
     kind = TransactionalPublisher if exactly_once else AtLeastOncePublisher
@@ -507,11 +514,17 @@ def publisher_for(
         marker_topic,
         dead_letter_topic,
         transaction_timeout_s,
+        legacy_marker_topic,
         *sorted(conf.items()),
     )
     with _lock:
         if key not in _publishers:
             _publishers[key] = kind(
-                conf, transactional_id, marker_topic, dead_letter_topic, transaction_timeout_s
+                conf,
+                transactional_id,
+                marker_topic,
+                dead_letter_topic,
+                transaction_timeout_s,
+                legacy_marker_topic,
             )
         return _publishers[key]

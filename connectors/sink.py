@@ -25,7 +25,7 @@ from pyspark.sql.types import (
 
 from . import faults, sink_stats, staging
 from .checkpoint import CheckpointDir
-from .markers import DEFAULT_MARKER_TOPIC
+from .markers import LEGACY_MARKER_TOPIC, marker_topic_for
 from .options import RESERVED_PRODUCER_KEYS, OptionError, get_positive_int, kafka_conf
 from .publisher import DEFAULT_TRANSACTION_TIMEOUT_S, Epoch, publisher_for
 from .records import LATE_REASON, OUTPUT_COLUMNS, headers_type
@@ -63,7 +63,10 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
                 "the onceflow-kafka sink needs option 'appId' (or 'transactionalId'): the "
                 "transactional id must stay the same across restarts for exactly-once"
             )
-        self.marker_topic = options.get("markerTopic") or DEFAULT_MARKER_TOPIC
+        # A topic of the sink's own, unless one is named; the markers of versions before
+        # per-sink topics are found in the shared topic they wrote (see markers.py).
+        self.marker_topic = options.get("markerTopic") or marker_topic_for(self.transactional_id)
+        self.legacy_marker_topic = None if options.get("markerTopic") else LEGACY_MARKER_TOPIC
         self.dead_letter_topic = options.get("deadLetterTopic")
         guarantee = options.get("guarantee", "exactly_once")
         if guarantee not in ("exactly_once", "at_least_once"):
@@ -125,6 +128,7 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
             self.dead_letter_topic,
             self.exactly_once,
             self.transaction_timeout_s,
+            self.legacy_marker_topic,
         )
 
 

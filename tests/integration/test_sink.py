@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from onceflow.connectors.markers import DEFAULT_MARKER_TOPIC, last_marker
+from onceflow.connectors.markers import last_marker, marker_topic_for
 from onceflow.connectors.publisher import (
     AtLeastOncePublisher,
     CheckpointMismatchError,
@@ -98,7 +98,7 @@ def test_exactly_once_across_a_crash(
 
     conf, txn_id = {"bootstrap.servers": kafka_bootstrap}, f"onceflow-{app}-{sink}"
     Producer({**conf, "transactional.id": txn_id}).init_transactions(30)
-    marker = last_marker(conf, DEFAULT_MARKER_TOPIC, txn_id, wait_s=30)
+    marker = last_marker(conf, marker_topic_for(txn_id), txn_id, wait_s=30)
     assert marker.batch_id == (2 if fault.startswith("after_kafka_commit") else 1)
 
     restarted = run_passthrough(kafka_bootstrap, source, sink, checkpoint, app)

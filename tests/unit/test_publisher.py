@@ -110,7 +110,7 @@ def broker(monkeypatch) -> FakeBroker:
     broker = FakeBroker()
     monkeypatch.setattr(publishing, "Producer", lambda config: FakeProducer(broker, config))
     monkeypatch.setattr(publishing, "ensure_marker_topic", lambda conf, topic: None)
-    monkeypatch.setattr(publishing, "last_marker", lambda conf, topic, sink, wait_s: broker.marker)
+    monkeypatch.setattr(publishing, "last_marker", lambda *_args: broker.marker)
     return broker
 
 

@@ -1,0 +1,80 @@
+"""Finding a sink's last marker from its topic's end, and naming a sink's marker topic."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from onceflow.connectors.markers import (
+    FIRST_SPAN,
+    MAX_TOPIC_NAME,
+    marker_topic_for,
+    newest_with_key,
+)
+
+
+class Record:
+    def __init__(self, offset: int, key: bytes) -> None:
+        self.offset, self._key = offset, key
+
+    def key(self) -> bytes:
+        return self._key
+
+
+class Partition:
+    """A partition whose offset o holds a record with key `key_at(o)` (None: no record, a
+    transaction marker); `read` notes which offsets were read."""
+
+    def __init__(self, key_at: Callable[[int], bytes | None]) -> None:
+        self.key_at = key_at
+        self.read_offsets: list[int] = []
+
+    def read(self, lo: int, hi: int) -> list[Record]:
+        self.read_offsets += range(lo, hi)
+        keyed = ((o, self.key_at(o)) for o in range(lo, hi))
+        return [Record(o, k) for o, k in keyed if k is not None]
+
+
+def test_a_sinks_own_topic_costs_one_short_read_however_long_its_history():
+    # Every other offset is a transaction marker (no record), as in a sink's own topic.
+    partition = Partition(lambda o: b"me" if o % 2 == 0 else None)
+    found = newest_with_key(partition.read, b"me", 0, 10_000_000)
+    assert found.offset == 9_999_998
+    assert len(partition.read_offsets) == FIRST_SPAN
+
+
+def test_the_newest_record_of_the_key_is_found_behind_other_keys():
+    partition = Partition(lambda o: b"me" if o in (77, 1_234) else b"other")
+    assert newest_with_key(partition.read, b"me", 0, 5_000).offset == 1_234
+    # Backwards, each offset at most once: never more than one pass over the partition.
+    assert len(partition.read_offsets) == len(set(partition.read_offsets)) <= 5_000
+    assert min(partition.read_offsets) > 77
+
+
+def test_an_absent_key_reads_each_offset_once_from_the_log_start():
+    partition = Partition(lambda o: b"other")
+    assert newest_with_key(partition.read, b"me", 100, 3_000) is None
+    assert sorted(partition.read_offsets) == list(range(100, 3_000))
+
+
+def test_an_empty_partition_is_not_read():
+    partition = Partition(lambda o: b"me")
+    assert newest_with_key(partition.read, b"me", 42, 42) is None
+    assert partition.read_offsets == []
+
+
+def test_a_marker_topic_name_is_the_transactional_id_where_kafka_allows_it():
+    txn_id = "onceflow-clicks-out.v2_a"
+    assert marker_topic_for(txn_id) == f"onceflow.commits.{txn_id}"
+
+
+def test_an_id_kafka_does_not_allow_in_a_topic_name_gets_a_legal_distinct_name():
+    names = {
+        marker_topic_for(txn_id)
+        for txn_id in ("my app/sink", "my app:sink", "x" * 300, "x" * 301, "ünïcode")
+    }
+    assert len(names) == 5
+    for name in names:
+        assert len(name) <= MAX_TOPIC_NAME
+        assert re.fullmatch(r"[A-Za-z0-9._-]+", name)
+    assert marker_topic_for("my app/sink") == marker_topic_for("my app/sink")
