@@ -113,6 +113,16 @@ class CheckpointDir:
     def sink_stats(self) -> dict:
         return self._read_json(SINK_STATS) or {}
 
+    def published_batch(self, sink: str) -> int:
+        """The last batch the sink's stats record `sink` published (-1: none). The stats are
+        written after each epoch's Kafka commit (by older versions too, without the sink's
+        name), so the sink's marker is never older than this unless markers went missing."""
+        stats = self.sink_stats()
+        batch = stats.get("last_committed_batch", -1)
+        if stats.get("sink", sink) != sink or not isinstance(batch, int):
+            return -1
+        return batch
+
     def write_sink_stats(self, stats: dict) -> None:
         write_atomically(self.path / SINK_STATS, json.dumps(stats).encode())
 

@@ -26,7 +26,7 @@ from confluent_kafka import (
     TopicCollection,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, OffsetSpec
+from confluent_kafka.admin import AdminClient, ConfigResource, OffsetSpec, ResourceType
 from tenacity import (
     retry,
     retry_if_exception,
@@ -261,10 +261,13 @@ def client_conf(conf: dict[str, str]) -> dict:
 
 
 def admin(conf: dict[str, str]) -> AdminClient:
+    """The process' admin client for `conf`. Its metadata look-ups never create a topic: the
+    client is a producer to librdkafka, and a producer's look-up of a missing topic creates
+    it where the broker allows auto-creation (Kafka's default)."""
     with _lock:
         key = _key(conf)
         if key not in _admins:
-            _admins[key] = AdminClient(client_conf(conf))
+            _admins[key] = AdminClient({**client_conf(conf), "allow.auto.create.topics": False})
         return _admins[key]
 
 
@@ -316,6 +319,14 @@ def topic_metadata(conf: dict[str, str], topic: str):
     if meta.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
         return None
     raise KafkaException(meta.error)
+
+
+@kafka_request
+def topic_config(conf: dict[str, str], topic: str) -> dict[str, str]:
+    """A topic's effective configuration (its own settings over the broker's defaults)."""
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    future = admin(conf).describe_configs([resource], request_timeout=REQUEST_TIMEOUT_S)[resource]
+    return {name: entry.value for name, entry in future.result().items()}
 
 
 @kafka_request

@@ -24,10 +24,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from . import kafka_clients
-from .errors import OnceflowError
+from .errors import OnceflowError, OptionError
 from .offsets import TP
 from .topics import create_topic
 
@@ -81,8 +81,22 @@ def marker_topic_for(sink: str) -> str:
 
 
 def ensure_marker_topic(conf: dict[str, str], topic: str) -> None:
-    """Create the compacted marker topic if it is missing (one partition keeps order simple)."""
+    """Create the compacted marker topic if it is missing (one partition keeps order simple);
+    refuse one made elsewhere whose markers could expire or change partition, since a sink
+    whose last marker went missing would publish its replayed batch again."""
     create_topic(conf, topic, 1, MARKER_TOPIC_CONFIG)
+    config = kafka_clients.topic_config(conf, topic)
+    meta = kafka_clients.topic_metadata(conf, topic)
+    policy = config.get("cleanup.policy", "")
+    expires = "delete" in policy and config.get("retention.ms") != "-1"
+    if "compact" not in policy or expires or meta is None or len(meta.partitions) != 1:
+        partitions = len(meta.partitions) if meta is not None else 0
+        raise OptionError(
+            f"the marker topic {topic!r} has cleanup.policy={policy}, retention.ms="
+            f"{config.get('retention.ms')} and {partitions} partitions: markers must never "
+            "expire, so it needs cleanup.policy=compact and one partition. Name another "
+            "topic in sink.marker_topic (onceflow creates it), or change this one's settings."
+        )
 
 
 def last_marker(
@@ -100,10 +114,25 @@ def last_marker(
     tombstones for ever (MARKER_TOPIC_CONFIG).
     """
     record = _newest_committed(conf, topic, sink.encode(), wait_s)
-    if record is None and legacy_topic and _exists(conf, legacy_topic):
-        record = _newest_committed(conf, legacy_topic, sink.encode(), wait_s)
-        if record is not None:
-            log.info("sink %s: last marker read from %s (before %s)", sink, legacy_topic, topic)
+    if record is None and legacy_topic:
+        return legacy_marker(conf, legacy_topic, sink, wait_s)
+    return _decoded(record)
+
+
+def legacy_marker(
+    conf: dict[str, str], legacy_topic: str, sink: str, wait_s: float
+) -> Marker | None:
+    """The newest committed marker of `sink` in the shared topic that versions before per-sink
+    topics wrote (None if that topic does not exist or holds none)."""
+    if not _exists(conf, legacy_topic):
+        return None
+    record = _newest_committed(conf, legacy_topic, sink.encode(), wait_s)
+    if record is not None:
+        log.info("sink %s: last marker read from %s", sink, legacy_topic)
+    return _decoded(record)
+
+
+def _decoded(record) -> Marker | None:
     return Marker.decode(record.value()) if record is not None and record.value() else None
 
 
@@ -143,6 +172,9 @@ def _newest_committed(conf: dict[str, str], topic: str, key: bytes, wait_s: floa
             "isolation.level": "read_committed",
             "enable.auto.commit": False,
             "enable.partition.eof": False,
+            # An offset gone since `lows` was read (DeleteRecords, retention on a topic made
+            # elsewhere) is an error, never a silent jump to the end past the sink's marker.
+            "auto.offset.reset": "error",
         }
     )
     deadline = time.monotonic() + kafka_clients.retry_budget_s()
@@ -191,6 +223,13 @@ def _read_range(consumer: Consumer, tp: TP, lo: int, hi: int, deadline: float) -
     try:
         while True:
             for msg in consumer.consume(1_000, 0.2):
+                if msg.error() is not None and msg.error().code() == KafkaError._AUTO_OFFSET_RESET:
+                    raise OnceflowError(
+                        f"offsets {lo}-{hi} of the marker topic {topic} [{partition}] were "
+                        f"deleted while they were read ({msg.error().str()}): the sink's last "
+                        "marker cannot be known from them; restart, which reads the topic from "
+                        "its new start"
+                    )
                 if msg.error() is not None:
                     raise KafkaException(msg.error())
                 if msg.offset() < hi:

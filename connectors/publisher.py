@@ -31,7 +31,7 @@ from .errors import (
     OnceflowError,
     TransactionTimedOutError,
 )
-from .markers import Marker, ensure_marker_topic, last_marker
+from .markers import Marker, ensure_marker_topic, last_marker, legacy_marker
 
 log = logging.getLogger("onceflow.sink")
 
@@ -49,6 +49,9 @@ class Epoch:
     source_offsets: list  # the end offsets Spark wrote ahead for this batch, per source
     records: Iterable[Record]  # re-iterable: an aborted attempt produces them again
     plan: str = ""  # the fingerprint of the batch's plan (its start and end offset logs)
+    # The last batch the checkpoint records this sink published (-1: none): the marker read
+    # from Kafka must not be older (see `_marker_at_least`).
+    checkpoint_published: int = -1
 
 
 @dataclass
@@ -149,7 +152,7 @@ class EpochPublisher:
         lose what its batches now hold (windows close at other watermarks), publishing would
         double what was published. Empty epochs are checked too (see `check_replay`).
         """
-        last = self.last
+        last = self._marker_at_least(epoch)
         if last is None:
             return False
         if last.query_id != epoch.query_id:
@@ -180,6 +183,42 @@ class EpochPublisher:
         self.stats.replays_skipped += 1
         log.info("batch %d is already published; replay skipped", epoch.batch_id)
         return True
+
+    def _marker_at_least(self, epoch: Epoch) -> Marker | None:
+        """Step 2a. The marker to judge `epoch` by, never older than the last batch its
+        checkpoint records this sink published.
+
+        This process' marker can be older for three reasons, told apart by reading again:
+        another instance published from this checkpoint since (this one was taken over); a
+        rolled-back version published later epochs to the shared topic (read there); or
+        markers went missing from Kafka (the marker topic deleted, emptied or recreated, or
+        `sink.marker_topic` changed under a kept checkpoint). Judged by an older marker, the
+        replay of a published batch would be published again, so the run stops instead.
+        """
+        last, recorded = self.last, epoch.checkpoint_published
+        if recorded <= _batch(last) or (last is not None and last.query_id != epoch.query_id):
+            return last  # (another checkpoint's marker is refused by Step 2, naming both)
+        wait_s = 2 * self.timeout_s
+        newest = last_marker(self.conf, self.marker_topic, self.transactional_id, wait_s)
+        if _batch(newest) >= recorded:
+            raise self._fenced()
+        if self.legacy_marker_topic:
+            legacy = legacy_marker(
+                self.conf, self.legacy_marker_topic, self.transactional_id, wait_s
+            )
+            if _batch(legacy) >= recorded:
+                self.last = legacy
+                self.stats.last_committed_batch = legacy.batch_id
+                return legacy
+        raise CheckpointMismatchError(
+            f"the checkpoint records that sink {self.transactional_id!r} published batch "
+            f"{recorded}, but its marker topic {self.marker_topic!r} holds "
+            f"{f'batch {last.batch_id}' if last is not None else 'no marker'}: markers went "
+            "missing (the marker topic was deleted or recreated, or sink.marker_topic changed "
+            "since). Refusing to run, or the replayed batch would be published twice. Restore "
+            "the marker topic or the previous setting; or, to start this sink over on purpose, "
+            "delete the checkpoint as well."
+        )
 
     def check_replay(self, epoch: Epoch) -> None:
         """Steps 1-3 for an epoch with nothing to publish: a restored older checkpoint is
@@ -279,7 +318,10 @@ class TransactionalPublisher(EpochPublisher):
         Step 1. Start: a producer that called init_transactions (which fences any zombie with
                 our transactional id and settles the transaction it left open), then the
                 last committed marker, read after that. Only now is it known what is out.
-        Step 2. The marker must describe this checkpoint (its query id).
+        Step 2. The marker must describe this checkpoint (its query id), and be no older
+                than the last batch the checkpoint records as published (else it is read
+                again: another instance published meanwhile, fenced; or a rolled-back
+                version published to the shared topic; or markers went missing, refused).
         Step 3. The marker's own batch is a replay: skip it, if its offsets and plan agree
                 (a batch below the marker, or one planned anew, is refused).
         Step 4. In one transaction, produce the results, the side records, then the marker.
@@ -475,6 +517,10 @@ class AtLeastOncePublisher(EpochPublisher):
                 f"epoch {batch_id}: its {what} were not all acknowledged ({failed[:3]} ...); "
                 "its marker is not written, so Spark runs it again (at-least-once)"
             )
+
+
+def _batch(marker: Marker | None) -> int:
+    return marker.batch_id if marker is not None else -1
 
 
 def _marker(sink: str, epoch: Epoch, records: int) -> Marker:

@@ -108,13 +108,14 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
         tables += staging.staged_tables(self.checkpoint, plan)
         records = _Records(tables)
         query_id = self.checkpoint.query_id()
-        epoch = Epoch(batchId, query_id, plan.source_offsets, records, plan.fingerprint)
+        published = self.checkpoint.published_batch(self.transactional_id)
+        epoch = Epoch(batchId, query_id, plan.source_offsets, records, plan.fingerprint, published)
         publisher = self._publisher()
         if not any(t.num_rows for t in tables):
             publisher.check_replay(epoch)  # an empty epoch needs no transaction
         elif publisher.publish_epoch(epoch):
             sink_stats.records_published.update(records.counts)
-        sink_stats.write(self.checkpoint, publisher.stats)
+        sink_stats.write(self.checkpoint, self.transactional_id, publisher.stats)
         staging.clean_up_to(self.checkpoint, batchId)
 
     def abort(self, messages: list, batchId: int) -> None:

@@ -18,8 +18,9 @@ log = logging.getLogger("onceflow.sink")
 records_published: Counter[str] = Counter()  # by kind, in this process
 
 
-def write(checkpoint: CheckpointDir, publisher_stats) -> None:
+def write(checkpoint: CheckpointDir, sink: str, publisher_stats) -> None:
     stats = {
+        "sink": sink,  # the transactional id: whose last_committed_batch this is
         "pid": os.getpid(),
         "transactions_committed": publisher_stats.transactions_committed,
         "transactions_aborted": publisher_stats.transactions_aborted,

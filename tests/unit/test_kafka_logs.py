@@ -137,3 +137,14 @@ def test_an_error_queued_before_a_request_is_not_taken_for_its_cause(monkeypatch
     with pytest.raises(KafkaUnreachableError) as failed:
         look_up(conf)
     assert str(failed.value).startswith("Kafka at b:9100 did not answer within 0.2s"), failed.value
+
+
+def test_the_admin_clients_look_ups_never_create_a_topic(monkeypatch):
+    """librdkafka's admin client is a producer, whose metadata look-up of a missing topic
+    creates it where the broker allows auto-creation (Kafka's default): a misspelled source
+    topic would then be created empty instead of refused."""
+    made = []
+    monkeypatch.setattr(kafka_clients, "AdminClient", lambda conf: made.append(conf) or conf)
+    monkeypatch.setattr(kafka_clients, "_admins", {})
+    kafka_clients.admin({"bootstrap.servers": "b:9092"})
+    assert made[0]["allow.auto.create.topics"] is False
