@@ -261,11 +261,12 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
 
 def _kafka_settings(raw: dict) -> dict[str, str]:
     """librdkafka settings: `sasl_username` (as environment overrides must spell it) is
-    `sasl.username` (librdkafka's names have no underscores). They are checked by building a
-    client that never connects, so a misspelled one fails here, naming it."""
+    `sasl.username` (librdkafka's names have no underscores but `log_level`). They are
+    checked by building a client that never connects, so a misspelled one fails here, naming
+    it."""
     from confluent_kafka import KafkaException, Producer
 
-    kafka = {str(k).replace("_", "."): str(v) for k, v in raw.items()}
+    kafka = {_librdkafka_name(str(k)): str(v) for k, v in raw.items()}
     if not kafka.get("bootstrap.servers"):
         raise ConfigError("kafka.bootstrap_servers", "is required, e.g. 127.0.0.1:9092")
     settings = {k: v for k, v in kafka.items() if k != "bootstrap.servers"}  # never connect
@@ -277,6 +278,10 @@ def _kafka_settings(raw: dict) -> dict[str, str]:
         field = f"kafka.{named.group(1)}" if named and named.group(1) in kafka else "kafka"
         raise ConfigError(field, f"{message} (librdkafka)") from None
     return kafka
+
+
+def _librdkafka_name(key: str) -> str:
+    return key if key == "log_level" else key.replace("_", ".")
 
 
 def _source(s: _Section) -> SourceConfig:

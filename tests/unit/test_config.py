@@ -119,6 +119,11 @@ def test_every_kafka_setting_can_come_from_the_environment(tmp_path):
     assert config.kafka["security.protocol"] == "SASL_SSL"
 
 
+def test_librdkafkas_one_underscored_setting_keeps_its_name():
+    raw = {**BASE, "kafka": {"bootstrap_servers": "b:9092", "log_level": "3"}}
+    assert parse(raw).kafka["log_level"] == "3"
+
+
 def test_secrets_are_referenced_from_the_environment_or_a_file(tmp_path):
     secret = tmp_path / "password"
     secret.write_text("s3cret\n")

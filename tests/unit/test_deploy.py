@@ -49,7 +49,7 @@ def test_the_onceflow_service_runs_a_valid_pipeline_with_the_compose_environment
 def test_metrics_port_health_check_and_checkpoint_volume_match_the_pipeline():
     config = onceflow_config()
     service = SERVICES["onceflow"]
-    assert f"{config.metrics_port}:{config.metrics_port}" in service["ports"]
+    assert f"127.0.0.1:{config.metrics_port}:{config.metrics_port}" in service["ports"]
     assert f"127.0.0.1:{config.metrics_port}/healthz" in " ".join(service["healthcheck"]["test"])
     dockerfile = (REPO / "deploy/Dockerfile").read_text()
     assert f"127.0.0.1:{config.metrics_port}/healthz" in dockerfile
@@ -84,7 +84,15 @@ def test_the_host_reaches_kafka_on_an_advertised_published_port():
     kafka = SERVICES["kafka"]
     advertised = kafka["environment"]["KAFKA_ADVERTISED_LISTENERS"]
     host_ports = re.findall(r"//localhost:(\d+)", advertised)
-    assert host_ports and all(f"{p}:{p}" in kafka["ports"] for p in host_ports)
+    assert host_ports and all(f"127.0.0.1:{p}:{p}" in kafka["ports"] for p in host_ports)
+
+
+def test_published_ports_listen_on_the_hosts_loopback_only():
+    """Kafka's host listener takes no credentials, Grafana lets anyone view: a port published
+    on every interface would open both to the host's network."""
+    for name, service in SERVICES.items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every address"
 
 
 def test_long_running_services_restart_after_a_failure():
