@@ -83,20 +83,40 @@ def marker_topic_for(sink: str) -> str:
 def ensure_marker_topic(conf: dict[str, str], topic: str) -> None:
     """Create the compacted marker topic if it is missing (one partition keeps order simple);
     refuse one made elsewhere whose markers could expire or change partition, since a sink
-    whose last marker went missing would publish its replayed batch again."""
+    whose last marker went missing would publish its replayed batch again. Checked once per
+    process; without the DescribeConfigs permission the check is skipped with a warning."""
     create_topic(conf, topic, 1, MARKER_TOPIC_CONFIG)
-    config = kafka_clients.topic_config(conf, topic)
+    if topic in _checked_topics:
+        return
+    try:
+        config = kafka_clients.topic_config(conf, topic)
+    except KafkaException as exc:
+        if exc.args[0].code() not in _NOT_AUTHORIZED:
+            raise
+        log.warning("cannot check the marker topic %s's settings: %s", topic, exc.args[0].str())
+        _checked_topics.add(topic)
+        return
     meta = kafka_clients.topic_metadata(conf, topic)
-    policy = config.get("cleanup.policy", "")
-    expires = "delete" in policy and config.get("retention.ms") != "-1"
-    if "compact" not in policy or expires or meta is None or len(meta.partitions) != 1:
-        partitions = len(meta.partitions) if meta is not None else 0
+    partitions = len(meta.partitions) if meta is not None else 0
+    policy = config.get("cleanup.policy") or ""
+    retained = [config.get("retention.ms"), config.get("retention.bytes")]
+    expires = "delete" in policy and retained != ["-1", "-1"]
+    if "compact" not in policy or expires or partitions != 1:
         raise OptionError(
             f"the marker topic {topic!r} has cleanup.policy={policy}, retention.ms="
-            f"{config.get('retention.ms')} and {partitions} partitions: markers must never "
-            "expire, so it needs cleanup.policy=compact and one partition. Name another "
-            "topic in sink.marker_topic (onceflow creates it), or change this one's settings."
+            f"{retained[0]}, retention.bytes={retained[1]} and {partitions} partitions: "
+            "markers must never expire, so it needs cleanup.policy=compact and one partition. "
+            "Name another topic in sink.marker_topic (onceflow creates it), or change this "
+            "one's settings."
         )
+    _checked_topics.add(topic)
+
+
+_checked_topics: set[str] = set()
+_NOT_AUTHORIZED = (
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+)
 
 
 def last_marker(
