@@ -220,6 +220,13 @@ class EpochPublisher:
             "delete the checkpoint as well."
         )
 
+    def _fenced(self) -> FencedError:
+        return FencedError(
+            f"this instance was fenced: another instance started with transactional id "
+            f"{self.transactional_id!r} and took over the sink. Stop one of them; two "
+            "instances of one app must not run at once."
+        )
+
     def check_replay(self, epoch: Epoch) -> None:
         """Steps 1-3 for an epoch with nothing to publish: a restored older checkpoint is
         refused even when its re-planned batch happens to be empty."""
@@ -438,13 +445,6 @@ class TransactionalPublisher(EpochPublisher):
         if fenced:
             return self._fenced()
         return exc
-
-    def _fenced(self) -> FencedError:
-        return FencedError(
-            f"this instance was fenced: another instance started with transactional id "
-            f"{self.transactional_id!r} and took over the sink. Stop one of them; two "
-            "instances of one app must not run at once."
-        )
 
     def abort_open_transaction(self) -> None:
         if self.producer is not None:

@@ -146,7 +146,9 @@ class DriverSink:
     checkpoint written the way Spark writes it, without a query: each `restart()` is a new
     driver process, whose publisher reads its marker from Kafka anew."""
 
-    def __init__(self, bootstrap: str, sink_topic: str, checkpoint: Path) -> None:
+    def __init__(
+        self, bootstrap: str, sink_topic: str, checkpoint: Path, guarantee: str = "exactly_once"
+    ) -> None:
         from pyspark.sql.types import BinaryType, StructField, StructType
 
         self.topic, self.checkpoint = sink_topic, checkpoint
@@ -157,6 +159,7 @@ class DriverSink:
             "topic": sink_topic,
             "appId": f"lost-{uuid.uuid4().hex[:8]}",
             "checkpointLocation": str(checkpoint),
+            "guarantee": guarantee,
         }
         self.writer = KafkaStreamWriter(options, StructType([StructField("value", BinaryType())]))
         self.writer.legacy_marker_topic = f"shared-{uuid.uuid4().hex[:8]}"  # not the real one
@@ -274,13 +277,14 @@ def test_marker_offsets_deleted_while_they_are_read_fail_the_read_never_skip_the
         last_marker(conf, topic, me, wait_s=30)
 
 
+@pytest.mark.parametrize("guarantee", ["exactly_once", "at_least_once"])
 def test_an_instance_whose_checkpoint_another_instance_published_from_is_fenced(
-    kafka_bootstrap, new_topic, tmp_path
+    kafka_bootstrap, new_topic, tmp_path, guarantee
 ):
     """A paused instance resumes after another took over its checkpoint and published: it
     stops as fenced (another instance took over), not with "markers went missing" (whose
     advice, to delete the checkpoint, would hurt the live instance)."""
-    sink = DriverSink(kafka_bootstrap, new_topic(prefix="out"), tmp_path / "ck")
+    sink = DriverSink(kafka_bootstrap, new_topic(prefix="out"), tmp_path / "ck", guarantee)
     sink.commit(0, b"e0")
     paused = publisher._publishers.copy()
 
