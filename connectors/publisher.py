@@ -121,7 +121,7 @@ class EpochPublisher:
                 2 * self.timeout_s,
                 self.legacy_marker_topic,
             )
-            self.stats.last_committed_batch = self.last.batch_id if self.last else -1
+            self.stats.last_committed_batch = _batch(self.last)
             self.producer = producer
             log.info(
                 "%s producer %s ready; last published batch %s",
