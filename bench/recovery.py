@@ -206,6 +206,44 @@ class Bench:
             result["cold"] = "not measured: dropping the page cache needs root"
         return result
 
+    # -- 1b. failover to a standby -----------------------------------------------------------
+
+    def failover(self, rounds: int) -> dict:
+        """Kill the active instance with a backlog waiting and a standby (`run --standby`)
+        beside it: seconds from the kill to the standby's first output."""
+        source, output = self.topic("fo-in"), self.topic("fo-out")
+        path = self.pipeline("failover", source, output)
+        clicks, watch = Clicks(self.bootstrap, source), OutputWatch(self.bootstrap, output)
+        clicks.produce(5_000)
+        print("  first run: creating the checkpoint and state ...", flush=True)
+        assert self.start(path, self.work / "failover-0.log", "--available-now").wait() == 0
+        seconds = []
+        for i in range(rounds):
+            active_log, standby_log = (self.work / f"failover-{i}-{n}.log" for n in "as")
+            active = self.start(path, active_log)
+            _wait_for_line(active_log, "started (checkpoint", active)
+            standby = self.start(path, standby_log, "--standby")
+            _wait_for_line(standby_log, "standby: waiting", standby)
+            os.killpg(active.pid, signal.SIGSTOP)  # idle; the backlog must wait for the standby
+            clicks.produce(self.backlog)
+            watch.arm()
+            t0 = time.monotonic()
+            os.killpg(active.pid, signal.SIGKILL)
+            active.wait()
+            first = watch.first(standby, timeout=600)
+            assert first is not None, f"round {i + 1}: no standby output, see {standby_log}"
+            seconds.append(round(first - t0, 2))
+            print(f"  round {i + 1}: standby's first output {seconds[-1]:.1f}s after the kill")
+            standby.send_signal(signal.SIGTERM)
+            assert standby.wait(300) == 0, f"the standby did not stop cleanly, see {standby_log}"
+        return {
+            "backlog_records": self.backlog,
+            "seconds": seconds,
+            "median_s": statistics.median(seconds),
+            "min_s": min(seconds),
+            "max_s": max(seconds),
+        }
+
     # -- 2. crash loop -----------------------------------------------------------------------
 
     def crash_loop(self, rounds: int, kill_after_s: float, rate: int) -> dict:
@@ -284,6 +322,14 @@ class Bench:
         }
 
 
+def _wait_for_line(log: Path, text: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in (log.read_text(errors="replace") if log.exists() else ""):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"no {text!r} in {log}")
+        time.sleep(0.2)
+
+
 def _committed(commits: Path) -> int:
     """Epochs committed so far: the newest batch id in Spark's commit log, plus one."""
     ids = [int(p.name) for p in commits.glob("[0-9]*")] if commits.exists() else []
@@ -352,6 +398,7 @@ def _drop_page_cache() -> bool:
 
 def report(results: dict) -> str:
     restart, crash, small = results["restart"], results["crash_loop"], results["small_epochs"]
+    failover = results["failover"]
     cold = restart["cold"]
     cold_text = f"{cold['seconds']:.1f} s" if isinstance(cold, dict) else cold
     lines = [
@@ -368,6 +415,10 @@ def report(results: dict) -> str:
             ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in r.items())
             for r in restart["warm_rounds"]
         ),
+        f"- Failover: a standby's first output {failover['median_s']:.1f} s after the active "
+        f"instance's SIGKILL, {failover['backlog_records']:,}-record backlog (median; min "
+        f"{failover['min_s']:.1f}, max {failover['max_s']:.1f}, {len(failover['seconds'])} "
+        "rounds).",
         f"- Crash loop (SIGKILL {crash['kill_after_s']:g} s after each start, "
         f"{crash['input_rate_per_s']:,} clicks/s arriving): epochs committed per round "
         f"{crash['epochs_per_round']}, {crash['rounds_without_progress']} of "
@@ -383,32 +434,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backlog", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=5, help="warm restart rounds")
+    parser.add_argument("--failover-rounds", type=int, default=3)
     parser.add_argument("--crash-rounds", type=int, default=10)
     parser.add_argument("--kill-after", type=float, default=10.0, help="seconds")
     parser.add_argument("--rate", type=int, default=2_000, help="clicks/s in the crash loop")
     parser.add_argument("--trickle-seconds", type=float, default=60.0)
     parser.add_argument("--no-cold", action="store_true", help="skip the cold round")
+    parser.add_argument(
+        "--only", help="comma-separated parts to run (restart, failover, crash_loop, small_epochs)"
+    )
     args = parser.parse_args()
 
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or LocalKafka.from_env().start()
     work = Path(tempfile.mkdtemp(prefix="onceflow-recovery-"))
     print(f"logs and checkpoints in {work} (kept if a step fails)", flush=True)
     bench = Bench(bootstrap, work, args.backlog)
-    print("1. restart to output", flush=True)
-    restart = bench.restart_to_output(args.rounds, cold=not args.no_cold)
-    print("2. crash loop", flush=True)
-    crash = bench.crash_loop(args.crash_rounds, args.kill_after, args.rate)
-    print("3. small epochs", flush=True)
-    small = bench.small_epochs(args.trickle_seconds)
-    shutil.rmtree(work, ignore_errors=True)
+    parts = {
+        "restart": lambda: bench.restart_to_output(args.rounds, cold=not args.no_cold),
+        "failover": lambda: bench.failover(args.failover_rounds),
+        "crash_loop": lambda: bench.crash_loop(args.crash_rounds, args.kill_after, args.rate),
+        "small_epochs": lambda: bench.small_epochs(args.trickle_seconds),
+    }
+    chosen = args.only.split(",") if args.only else list(parts)
     results = {
         "date": datetime.now().strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python "
         f"{platform.python_version()}",
-        "restart": restart,
-        "crash_loop": crash,
-        "small_epochs": small,
     }
+    for number, name in enumerate(chosen, 1):
+        print(f"{number}. {name.replace('_', ' ')}", flush=True)
+        results[name] = parts[name]()
+    shutil.rmtree(work, ignore_errors=True)
+    if len(chosen) < len(parts):  # a partial run prints, and keeps the recorded results
+        print(json.dumps(results, indent=2))
+        return
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "recovery.json").write_text(json.dumps(results, indent=2) + "\n")
     text = report(results)

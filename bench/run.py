@@ -65,6 +65,8 @@ class Measured:
         if cpus:
             command = ["taskset", "-c", cpus, *command]
         self.log = log
+        self.started = time.monotonic()
+        self.drain_s = 0.0  # process start to exit: what a user draining a backlog waits
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
@@ -77,6 +79,7 @@ class Measured:
         while self.process.poll() is None:
             self.peak_rss_mb = max(self.peak_rss_mb, _tree_rss_mb(self.process.pid))
             time.sleep(0.2)
+        self.drain_s = time.monotonic() - self.started
 
     def wait(self, timeout: float = 1800) -> str:
         code = self.process.wait(timeout)
@@ -125,6 +128,7 @@ class Bench:
             key=lambda pair: pair[0],
         )
         rate, result = rates[len(rates) // 2]
+        drains = sorted(run.drain_s for _, run in runs)
         row = {
             "system": system,
             "query": query,
@@ -132,6 +136,7 @@ class Bench:
             "seconds": round(result["seconds"], 2),
             "records_per_s": round(rate),
             "peak_rss_mb": round(max(run.peak_rss_mb for _, run in runs)),
+            "drain_s": round(drains[len(drains) // 2], 1),
         }
         if len(runs) > 1:
             row["runs_records_per_s"] = [round(r) for r, _ in rates]
@@ -478,6 +483,20 @@ def report(results: dict) -> str:
         if "runs_records_per_s" in r:
             runs = ", ".join(f"{rate:,}" for rate in r["runs_records_per_s"])
             lines.append(f"\n{r['system']}, {r['query']}: median of {runs} records/s.")
+    lines += [
+        "",
+        "## Draining the backlog: process start to exit (s)",
+        "",
+        "What a user draining the backlog waits for, start-up and onceflow's and Spark's first "
+        "epoch included (the rates above leave the first epoch out).",
+        "",
+        "| system | " + " | ".join(QUERIES) + " |",
+        "|---|" + "---|" * len(QUERIES),
+    ]
+    for system in dict.fromkeys(r["system"] for r in rows if "drain_s" in r):
+        mine = {r["query"]: r for r in rows if r["system"] == system}
+        cells = [f"{mine[q]['drain_s']:,.1f}" if q in mine else "-" for q in QUERIES]
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
     eo = {r["query"]: r["records_per_s"] for r in rows if r["system"] == "onceflow exactly-once"}
     ratios = [
         ("onceflow exactly-once / at-least-once", "onceflow at-least-once"),

@@ -46,6 +46,7 @@ EARLIEST, LATEST = -2, -1  # as in Spark's startingOffsets JSON
 ARROW_BATCH_ROWS = kafka_clients.PREFETCH_MESSAGES
 READ_STALL_TIMEOUT_S = 120.0
 LOOKUP_ATTEMPTS = 3
+FIRST_EPOCH_SHARE = 16  # of maxOffsetsPerTrigger, for the first epoch a process plans
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         location = options.get("checkpointLocation")
         self.checkpoint = CheckpointDir(location) if location else None
         self._latest: Offsets | None = None
+        self._planned_records = False  # this process planned an epoch with records
         self._available_now_target: dict[tuple[str, int], int] | None = None
 
     # Clients live in module-level caches (kafka_clients), never on the instance: the reader
@@ -178,7 +180,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             target = self._available_now_target
             stable = {tp: min(o, target.get(tp, earliest[tp])) for tp, o in stable.items()}
         available = {tp: max(0, stable[tp] - o) for tp, o in starts.items() if tp not in rewound}
-        take = _admit(available, limit)
+        take = _admit(available, limit if self._planned_records else first_epoch_limit(limit))
+        self._planned_records |= any(take.values())
         end = {tp: starts[tp] + n for tp, n in take.items()}
         joined = [tp for tp in tps if tp not in starts and tp not in recreated]
         if joined:
@@ -491,6 +494,15 @@ class _Columns:
             ],
             names=SOURCE_COLUMNS,
         )
+
+
+def first_epoch_limit(limit: ReadLimit) -> ReadLimit:
+    """The first epoch a process plans takes a FIRST_EPOCH_SHARE of the limit: it runs while
+    Spark's Python processes, RocksDB and the JIT are still cold, so after a restart the first
+    output comes seconds sooner, and a crash loop's replays stay small enough to commit."""
+    if not isinstance(limit, ReadMaxRows):
+        return limit
+    return ReadMaxRows(max(1, limit.max_rows // FIRST_EPOCH_SHARE))
 
 
 def _admit(available: dict[tuple[str, int], int], limit: ReadLimit) -> dict[tuple[str, int], int]:

@@ -56,7 +56,11 @@ def _validate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from .runner import run
 
-    run(pipeline_config.load(args.pipeline), available_now=args.available_now)
+    run(
+        pipeline_config.load(args.pipeline),
+        available_now=args.available_now,
+        standby=args.standby,
+    )
     return EXIT_OK
 
 
@@ -106,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--available-now",
         action="store_true",
         help="process the backlog (with the final watermark advance), then exit",
+    )
+    run.add_argument(
+        "--standby",
+        action="store_true",
+        help="start Spark, then wait and take over when the running instance's checkpoint "
+        "lease ends (it stops, dies, or stops renewing)",
     )
     run.set_defaults(handler=_run)
 

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from onceflow.connectors.checkpoint import CheckpointDir
 from onceflow.connectors.errors import CheckpointClaimError
@@ -24,6 +25,7 @@ from .config import ConfigError, PipelineConfig
 log = logging.getLogger("onceflow.run")
 
 LEASE_S = 30.0
+STANDBY_POLL_S = 0.25
 
 
 class Lease:
@@ -35,6 +37,8 @@ class Lease:
         self.holder = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "pid_namespace": _pid_namespace(),
+            "pid_started": _started(os.getpid()),
             "instance": uuid.uuid4().hex,
             "since": time.time(),
         }
@@ -64,20 +68,27 @@ class Lease:
         threading.Thread(target=self._renew, name="onceflow-lease", daemon=True).start()
 
     def _is_free(self, held: dict, heartbeat: float) -> bool:
+        """Free when its heartbeat expired, or its holder is a process of this host that no
+        longer runs. A pid is only looked up in the holder's own pid namespace (a sibling
+        container with the same host name has pids of its own); from another namespace,
+        only a holder with this process' pid counts as gone: this container's earlier life."""
         if time.time() - heartbeat > LEASE_S:
             return True
         if held.get("host") != self.holder["host"]:
             return False
         pid = held.get("pid")
         if pid == os.getpid():
-            return True  # an earlier life of this process' container
+            return True  # an earlier life of this process (or of its container)
+        if held.get("pid_namespace", self.holder["pid_namespace"]) != self.holder["pid_namespace"]:
+            return False
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return True
         except (OSError, TypeError):
             return False
-        return False
+        started = held.get("pid_started")
+        return started is not None and _started(pid) not in (None, started)  # pid reused
 
     def _renew(self) -> None:
         while not self._stop.wait(LEASE_S / 3):
@@ -109,6 +120,38 @@ class Lease:
             log.warning("could not release the checkpoint lease: %s", exc)
 
 
+def check_standby(config: PipelineConfig) -> None:
+    """A standby takes over through the lease, which only a local checkpoint has, and runs
+    Spark on its own cores: on a cluster it would hold executors the active one needs."""
+    if not config.spark_master.startswith("local"):
+        raise ConfigError(
+            "spark.master",
+            f"a standby (`run --standby`) needs a local master (local[N]), not "
+            f"{config.spark_master}: waiting, it would hold the cluster's executors",
+        )
+    if not CheckpointDir(config.checkpoint_location).is_local:
+        raise ConfigError(
+            "checkpoint.location",
+            "a standby (`run --standby`) takes over through the checkpoint's lease, which needs "
+            "a local or mounted directory; remote checkpoints have none, so run one instance",
+        )
+
+
+def wait_for(config: PipelineConfig, stop: threading.Event) -> Lease | None:
+    """A standby's wait: the lease, as soon as the active instance's ends (released, expired,
+    or its process gone from this host); None when `stop` is set first."""
+    announced = False
+    while not stop.is_set():
+        try:
+            return acquire(config)
+        except CheckpointClaimError as held:
+            if not announced:
+                log.info("standby: waiting to take over (%s)", str(held).split(". ")[0])
+                announced = True
+        stop.wait(STANDBY_POLL_S)
+    return None
+
+
 def acquire(config: PipelineConfig) -> Lease | None:
     """Claim the pipeline's checkpoint for this instance (None: remote storage, which Spark
     guards; the sink's markers still check the checkpoint's identity)."""
@@ -125,3 +168,19 @@ def acquire(config: PipelineConfig) -> Lease | None:
             f"{checkpoint.path} is not usable ({exc.strerror}); it must be a writable directory",
         ) from None
     return lease
+
+
+def _pid_namespace() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _started(pid: int) -> int | None:
+    """The process' start time (clock ticks after boot): tells a reused pid from its first
+    owner."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None

@@ -131,6 +131,7 @@ class PipelineListener(StreamingQueryListener):
         self.lock = threading.Lock()
         self.processed_ends: dict[tuple[str, int], int] = {}  # end offsets of the last epoch
         self.watermark_s = 0.0
+        self.standby = False  # a standby waiting for the checkpoint's lease
 
     def onQueryStarted(self, event) -> None:
         self.metrics.up.labels(self.metrics.app_id).set(1)
@@ -241,6 +242,8 @@ class PipelineListener(StreamingQueryListener):
         with self.lock:
             if self.failure:
                 return False, f"query failed: {self.failure}"
+            if self.standby:
+                return True, "standby: waiting for the active instance's lease"
             if not self.ready:
                 return False, "starting: no epoch has completed yet"
             idle = time.monotonic() - self.last_event

@@ -16,14 +16,16 @@ from onceflow.connectors.checkpoint import CheckpointDir
 
 from . import pipeline
 from .config import ConfigError, PipelineConfig
-from .lease import acquire
+from .lease import acquire, check_standby, wait_for
 from .metrics import PipelineListener, PipelineMetrics, probe_lag, serve
 from .spark_session import build_session
+from .warmup import start_warm_up
 
 log = logging.getLogger("onceflow.run")
 
 GRACEFUL_STOP_TIMEOUT_S = 300.0
 START_RETRY_DELAY_S = 5.0
+WARM_UP_WAIT_S = 60.0  # a standby's; it stands by without a warm-up that takes longer
 
 
 class PipelineFailed(errors.OnceflowError):
@@ -38,21 +40,26 @@ class PipelineFailed(errors.OnceflowError):
 
 
 def run(
-    config: PipelineConfig, available_now: bool = False, stop: threading.Event | None = None
+    config: PipelineConfig,
+    available_now: bool = False,
+    stop: threading.Event | None = None,
+    standby: bool = False,
 ) -> None:
     """Run until the backlog is drained (available_now), SIGTERM/SIGINT or `stop` is set.
 
+    A standby starts Spark and its Python processes, then waits for the checkpoint's lease
+    and runs when the active instance's lease ends.
     Raises PipelineFailed when the query dies, and KeyboardInterrupt after a SIGINT (Ctrl-C),
     so that the CLI exits 130 as shells expect.
     """
-    lease = acquire(config)
+    if standby:
+        check_standby(config)
+    lease = None if standby else acquire(config)  # a second instance is refused at once
     faults.watch_state_store_commits(config.checkpoint_location)
     spark = build_session(config.spark_master, f"onceflow-{config.app_id}", config.spark_conf)
     metrics = PipelineMetrics(config.app_id)
     input_bytes = spark.sparkContext.accumulator(0)
     listener = PipelineListener(metrics, config.checkpoint_location, input_bytes)
-    if CheckpointDir(config.checkpoint_location).committed_batches():
-        metrics.restarts.labels(config.app_id).inc()
     spark.streams.addListener(listener)
     server = _serve_metrics(config, metrics, listener)
     lag_probe = probe_lag(metrics, listener, dict(config.kafka))
@@ -68,6 +75,24 @@ def run(
         for sig in (signal.SIGTERM, signal.SIGINT):
             handlers[sig] = signal.signal(sig, on_signal)
     try:
+        if standby:
+            # Only a standby warms up: it has the time. Beside a starting query the warm-up
+            # competes for the same cores and the restart took no less (bench/results).
+            warm_up = start_warm_up(spark)
+            deadline = time.monotonic() + WARM_UP_WAIT_S
+            while warm_up.is_alive() and time.monotonic() < deadline and not stop.wait(0.2):
+                pass
+            listener.standby = True
+            lease = wait_for(config, stop)
+            listener.standby = False
+            if lease is None:
+                log.info("standby stopped before taking over")
+                if signal.SIGINT in received:
+                    raise KeyboardInterrupt
+                return
+            log.info("standby: took over checkpoint %s", config.checkpoint_location)
+        if CheckpointDir(config.checkpoint_location).committed_batches():
+            metrics.restarts.labels(config.app_id).inc()
         lost = lease.lost if lease is not None else threading.Event()
         query = _run_query(spark, config, available_now, input_bytes, stop, lost)
         if lost.is_set():

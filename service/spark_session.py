@@ -7,6 +7,8 @@ import os
 import sys
 from collections.abc import Mapping
 
+from .class_archive import driver_java_options
+
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 
 DEFAULT_CONF = {
@@ -42,8 +44,12 @@ def build_session(
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
+    settings = dict(DEFAULT_CONF)
+    java_options = driver_java_options()
+    if java_options:  # a user's own JVM options replace these
+        settings["spark.driver.extraJavaOptions"] = java_options
     builder = SparkSession.builder.master(master).appName(app_name)
-    for key, value in {**DEFAULT_CONF, **(conf or {})}.items():
+    for key, value in {**settings, **(conf or {})}.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     quiet_spark_logs(spark)

@@ -38,14 +38,14 @@ class Service:
 
     kills = 0  # by the test or by a fault point, over all services of a test
 
-    def __init__(self, pipeline: Path, log: Path, available_now: bool = False, fault: str = ""):
+    def __init__(self, pipeline: Path, log: Path, *flags: str, fault: str = ""):
         env = {**os.environ, "ONCEFLOW_FAULT": fault}
         env.pop("ONCEFLOW_SERVICE_PGID", None)
-        args = [sys.executable, "-m", "onceflow.cli", "run", str(pipeline)]
+        args = [sys.executable, "-m", "onceflow.cli", "run", str(pipeline), *flags]
         self.log = log
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
-                args + (["--available-now"] if available_now else []),
+                args,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -145,9 +145,10 @@ class Scenario:
         path.write_text(yaml.safe_dump(config))
         return path
 
-    def service(self, pipeline: Path, available_now=False, fault="") -> Service:
+    def service(self, pipeline: Path, available_now=False, fault="", standby=False) -> Service:
         self.runs += 1
-        return Service(pipeline, self.tmp / f"run-{self.runs}.log", available_now, fault)
+        flags = ["--available-now"] * available_now + ["--standby"] * standby
+        return Service(pipeline, self.tmp / f"run-{self.runs}.log", *flags, fault=fault)
 
     def drain(self, pipeline: Path) -> None:
         service = self.service(pipeline, available_now=True)
@@ -311,6 +312,96 @@ def test_random_sigkills_then_restart_from_the_same_checkpoint(app, random_kills
         app.check_windows()
     else:
         app.check_pass_through()
+
+
+CRASH_LOOP_KILL_AFTER_S = 30.0  # the recovery goal is 10 s: README, Recovery
+
+
+def test_a_crash_loop_commits_an_epoch_every_round(app):
+    """SIGKILL a fixed time after every start, whatever the service is doing (as a crash loop
+    or an impatient liveness probe does): every round still commits an epoch, and the
+    output is exactly once."""
+    rounds = 10 if app.long else 2
+    # Small epochs: the backlog outlasts every round (a round runs ~15 of them), so a round
+    # without a commit is the service's fault, never a lack of input.
+    per_batch = len(app.events) // (rounds * 20)
+    pipeline = app.pipeline(windowed=True, source={"max_records_per_batch": per_batch})
+    commits = app.tmp / "checkpoint" / "commits"
+    per_round = []
+    for _ in range(rounds):
+        before = _committed(commits)
+        service = app.service(pipeline)
+        time.sleep(CRASH_LOOP_KILL_AFTER_S)  # the kill's fixed moment, not a synchronisation
+        assert service.process.poll() is None, service.tail()
+        service.kill()
+        per_round.append(_committed(commits) - before)
+    print(
+        f"epochs committed per round, killed {CRASH_LOOP_KILL_AFTER_S:g} s after each start: "
+        f"{per_round}"
+    )
+    assert all(n >= 1 for n in per_round), per_round
+    app.drain(pipeline)
+    app.check_windows()
+
+
+def _committed(commits: Path) -> int:
+    """Epochs in Spark's commit log: the newest batch id, plus one."""
+    ids = [int(p.name) for p in commits.glob("[0-9]*")] if commits.exists() else []
+    return max(ids, default=-1) + 1
+
+
+def test_a_standby_takes_over_when_the_active_instance_is_killed(app):
+    """`run --standby` starts Spark beside the active instance, stays out of the checkpoint
+    while that one runs, and takes it over when it is SIGKILLed mid-backlog."""
+    from onceflow.connectors.checkpoint import CLAIM
+
+    per_batch = len(app.events) // 60  # small epochs: the backlog outlasts the standby's start
+    pipeline = app.pipeline(windowed=True, source={"max_records_per_batch": per_batch})
+    active = app.service(pipeline)
+    standby = app.service(pipeline, standby=True)
+    wait_until(
+        lambda: (
+            "standby: waiting to take over" in standby.log.read_text(errors="replace")
+            or standby.process.poll() is not None
+        ),
+        180,
+        "the standby waiting for the lease",
+    )
+    wait_until(
+        lambda: _epochs_done(active) or active.process.poll() is not None,
+        180,
+        "the active instance's first committed epoch",
+    )
+    assert active.process.poll() is None, active.tail()
+    assert standby.process.poll() is None, standby.tail()
+    holder = json.loads((app.tmp / "checkpoint" / CLAIM).read_text())["holder"]
+    assert holder["pid"] == active.process.pid, holder
+    assert "took over" not in standby.log.read_text(), standby.tail()
+    before = _epochs_done(active)
+    active.kill()
+    killed_at = time.time()
+    wait_until(
+        lambda: _epochs_done(standby) or standby.process.poll() is not None,
+        180,
+        "the standby's first committed epoch",
+    )
+    took_over = _first_epoch_time(standby) - killed_at
+    print(f"active committed {before} epoch(s); standby's first epoch {took_over:.1f} s after")
+    assert "standby: took over" in standby.log.read_text(), standby.tail()
+    assert standby.terminate() == 0, standby.tail()
+    app.drain(pipeline)
+    app.check_windows()
+
+
+def _first_epoch_time(service: Service) -> float:
+    """Wall-clock time of the service's first "epoch N done" line with records."""
+    from datetime import datetime
+
+    for line in service.log.read_text(errors="replace").splitlines():
+        if re.search(r"epoch \d+ done: [1-9]", line):
+            stamp = " ".join(line.split()[:2])
+            return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    raise AssertionError(f"no epoch in the log:\n{service.tail()}")
 
 
 def _epochs_done(service: Service) -> int:

@@ -67,3 +67,87 @@ def test_another_apps_checkpoint_is_a_config_error(tmp_path):
     (tmp_path / CLAIM).write_text(json.dumps({"app_id": "someone-else"}))
     with pytest.raises(ConfigError, match="belongs to app 'someone-else'"):
         Lease(CheckpointDir(tmp_path), "app").acquire()
+
+
+def config_for(tmp_path, location: str | None = None, master: str = "local[2]"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        checkpoint_location=location or str(tmp_path), app_id="app", spark_master=master
+    )
+
+
+def test_a_standby_takes_over_as_soon_as_the_holder_releases(tmp_path):
+    import threading
+
+    from onceflow.lease import wait_for
+
+    active = Lease(CheckpointDir(tmp_path), "app")
+    active.holder["host"] = "elsewhere"  # this process would count as the holder's later life
+    active.acquire()
+    taken: list = []
+    standby = threading.Thread(
+        target=lambda: taken.append(wait_for(config_for(tmp_path), threading.Event()))
+    )
+    standby.start()
+    standby.join(1.0)
+    assert standby.is_alive() and not taken  # still waiting while the lease is held
+    active.release()
+    standby.join(5.0)
+    assert taken and taken[0] is not None
+    assert json.loads((tmp_path / CLAIM).read_text())["holder"] == taken[0].holder
+    taken[0].release()
+
+
+def test_a_standby_stopped_while_waiting_takes_nothing(tmp_path):
+    import threading
+
+    from onceflow.lease import wait_for
+
+    hold(tmp_path)
+    stop = threading.Event()
+    threading.Timer(0.6, stop.set).start()
+    started = time.monotonic()
+    assert wait_for(config_for(tmp_path), stop) is None
+    assert 0.5 < time.monotonic() - started < 5
+    assert json.loads((tmp_path / CLAIM).read_text())["holder"]["host"] == "other-host"
+
+
+def test_a_standby_needs_a_checkpoint_with_a_lease(tmp_path):
+    from onceflow.lease import check_standby
+
+    check_standby(config_for(tmp_path))
+    with pytest.raises(ConfigError, match="remote checkpoints have none"):
+        check_standby(config_for(tmp_path, "s3a://bucket/checkpoints/app"))
+    with pytest.raises(ConfigError, match="it would hold the cluster's executors"):
+        check_standby(config_for(tmp_path, master="spark://spark-master:7077"))
+
+
+def test_a_holder_in_another_pid_namespace_is_not_looked_up_here(tmp_path):
+    """A sibling container with the same host name: its pid means nothing in this namespace."""
+    import socket
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # no such process here; the holder's may well be alive in its own namespace
+    checkpoint = hold(tmp_path, host=socket.gethostname(), pid=dead.pid, pid_namespace=1)
+    with pytest.raises(CheckpointClaimError):
+        Lease(checkpoint, "app").acquire()
+
+
+def test_a_reused_pid_does_not_keep_a_dead_holders_lease(tmp_path):
+    import os
+    import socket
+
+    from onceflow.lease import _pid_namespace, _started
+
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        mine = {"host": socket.gethostname(), "pid": alive.pid, "pid_namespace": _pid_namespace()}
+        with pytest.raises(CheckpointClaimError):  # the holder runs: refused
+            Lease(hold(tmp_path, **mine, pid_started=_started(alive.pid)), "app").acquire()
+        reused = {**mine, "pid_started": _started(alive.pid) - 1}  # an earlier process' pid
+        Lease(hold(tmp_path, **reused), "app").acquire()
+    finally:
+        alive.kill()
+        alive.wait()
+    assert os.getpid() != alive.pid

@@ -171,3 +171,32 @@ def test_a_recreation_retires_the_old_id(monkeypatch):
     end = reader.latestOffset(start, ReadAllAvailable())
     assert offsets.positions(end) == {("t", 0): 0}  # restarted from the earliest offset
     assert offsets.topic_ids(end) == {"t": "B"} and offsets.retired_ids(end) == {"t": ["A"]}
+
+
+def test_the_first_epoch_a_process_plans_takes_a_share_of_the_limit_then_the_whole():
+    from onceflow.connectors import offsets
+    from onceflow.connectors.source import FIRST_EPOCH_SHARE, KafkaStreamReader
+
+    reader = KafkaStreamReader({"subscribe": "t", "kafka.bootstrap.servers": "x:9092"})
+    tps = [("t", 0), ("t", 1)]
+    backlog = {("t", 0): 0, ("t", 1): 0}
+    stable = {("t", 0): 100_000, ("t", 1): 100_000}
+    reader._look_up = lambda: (tps, {"t": "id"}, backlog, dict(stable))
+
+    def planned(start: dict, limit: int) -> dict:
+        end = offsets.positions(reader.latestOffset(start, ReadMaxRows(limit)))
+        return {tp: end[tp] - offsets.positions(start)[tp] for tp in tps}
+
+    start = offsets.logged(backlog, {"t": "id"})
+    idle = offsets.logged(stable, {"t": "id"})
+    assert sum(planned(idle, 32_000).values()) == 0  # nothing to read yet: still cold
+    first = planned(start, 32_000)
+    assert sum(first.values()) == 32_000 // FIRST_EPOCH_SHARE
+    assert sum(planned(start, 32_000).values()) == 32_000  # then the whole limit
+
+
+def test_a_limit_smaller_than_the_share_still_admits_a_record():
+    from onceflow.connectors.source import first_epoch_limit
+
+    assert first_epoch_limit(ReadMaxRows(5)).max_rows == 1
+    assert isinstance(first_epoch_limit(ReadAllAvailable()), ReadAllAvailable)
