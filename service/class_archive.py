@@ -12,15 +12,14 @@ usual: it can only cost speed, never correctness. `python -m onceflow.class_arch
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-log = logging.getLogger("onceflow.setup")
 
 # Unified logging off for CDS: a stale archive is ignored quietly instead of printing a
 # warning on every start.
@@ -43,20 +42,28 @@ def record(path: Path) -> None:
     """Record the archive at `path`: run the workload in a Python process of its own, whose
     driver JVM writes the archive as it exits, then move it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.unlink(missing_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # one per recording
     started = time.monotonic()
     print(
         f"class archive: starting Spark once to record the classes it loads into {path} "
         "(about a minute) ...",
         flush=True,
     )
+    workload = subprocess.Popen(
+        [sys.executable, "-m", "onceflow.class_archive", "--workload", str(partial)],
+        start_new_session=True,  # a process group: its JVM is stopped with it
+    )
     try:
-        subprocess.run(
-            [sys.executable, "-m", "onceflow.class_archive", "--workload", str(partial)],
-            check=True,
-            timeout=RECORD_TIMEOUT_S,
-        )
+        try:
+            code = workload.wait(RECORD_TIMEOUT_S)
+        except BaseException:  # a timeout or Ctrl-C: stop the JVM before it dumps
+            os.killpg(workload.pid, signal.SIGKILL)
+            workload.wait()
+            raise
+        if code != 0:
+            with contextlib.suppress(ProcessLookupError):  # its JVM, if it outlived it
+                os.killpg(workload.pid, signal.SIGKILL)
+            raise RuntimeError(f"the recording run exited {code}")
         if not partial.is_file():
             raise RuntimeError(f"the JVM wrote no class archive at {partial}")
         os.replace(partial, path)

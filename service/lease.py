@@ -25,6 +25,7 @@ from .config import ConfigError, PipelineConfig
 log = logging.getLogger("onceflow.run")
 
 LEASE_S = 30.0
+MISSED_RENEWAL_S = LEASE_S / 3 + 2.0  # a live holder renews every LEASE_S / 3
 STANDBY_POLL_S = 0.25
 
 
@@ -47,6 +48,9 @@ class Lease:
         self.lost_to: dict = {}
 
     def acquire(self) -> None:
+        """Take the lease, or raise CheckpointClaimError naming its live holder. A holder on
+        this host in another pid namespace is waited for until it misses a renewal."""
+        time.sleep(self._wait_for_a_renewal())
         with self.checkpoint.claim() as claim:
             owner = claim.get("app_id", self.app_id)
             if owner != self.app_id:
@@ -67,24 +71,44 @@ class Lease:
             claim.update(app_id=self.app_id, holder=self.holder, heartbeat=time.time())
         threading.Thread(target=self._renew, name="onceflow-lease", daemon=True).start()
 
+    def _wait_for_a_renewal(self) -> float:
+        """Seconds until a holder of this host in another pid namespace has missed a renewal:
+        a restarted container's earlier life never renews, a live sibling does."""
+        with self.checkpoint.claim() as claim:
+            held, heartbeat = claim.get("holder"), claim.get("heartbeat", 0.0)
+        if not held or held.get("pid") == os.getpid() or not self._in_another_namespace(held):
+            return 0.0
+        return max(0.0, min(MISSED_RENEWAL_S, heartbeat + MISSED_RENEWAL_S - time.time()))
+
+    def _in_another_namespace(self, held: dict) -> bool:
+        return (
+            held.get("host") == self.holder["host"]
+            and held.get("pid_namespace", self.holder["pid_namespace"])
+            != self.holder["pid_namespace"]
+        )
+
     def _is_free(self, held: dict, heartbeat: float) -> bool:
         """Free when its heartbeat expired, or its holder is a process of this host that no
-        longer runs. A pid is only looked up in the holder's own pid namespace (a sibling
-        container with the same host name has pids of its own); from another namespace,
-        only a holder with this process' pid counts as gone: this container's earlier life."""
-        if time.time() - heartbeat > LEASE_S:
+        longer runs. A holder with this process' pid is its earlier life (a restarted
+        container has the same host name and pid). Other pids are looked up only in the
+        holder's own pid namespace; a holder in another one (a sibling container with the
+        same host name, or this container's earlier life) is gone once it missed a renewal."""
+        age = time.time() - heartbeat
+        if age > LEASE_S:
             return True
         if held.get("host") != self.holder["host"]:
             return False
         pid = held.get("pid")
         if pid == os.getpid():
-            return True  # an earlier life of this process (or of its container)
-        if held.get("pid_namespace", self.holder["pid_namespace"]) != self.holder["pid_namespace"]:
-            return False
+            return True  # an earlier life of this process, or of its container
+        if self._in_another_namespace(held):
+            return age > MISSED_RENEWAL_S
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return True
+        except PermissionError:
+            pass  # another user's process: the start time tells whether the pid was reused
         except (OSError, TypeError):
             return False
         started = held.get("pid_started")

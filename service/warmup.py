@@ -4,9 +4,8 @@ A Python data source's first epoch waits for three Python daemons that Spark sta
 after another on the micro-batch thread (read planning, write planning, then the tasks'
 `pyspark.worker`), and for RocksDB's native library. Daemons live as long as the JVM and are
 shared by every job of the session, so a one-row batch job through a Python data source has
-them ready for a query started later (bench/results/first-epoch.md: 4-5 s of the first
-epoch, for 6.5 s of warm-up). A failed warm-up costs nothing but time: the query starts
-whatever it still needs.
+them ready for a query started later (measured in bench/results/first-epoch.md). A failed
+warm-up costs nothing but time: the query starts whatever it still needs.
 """
 
 from __future__ import annotations

@@ -124,14 +124,53 @@ def test_a_standby_needs_a_checkpoint_with_a_lease(tmp_path):
 
 
 def test_a_holder_in_another_pid_namespace_is_not_looked_up_here(tmp_path):
-    """A sibling container with the same host name: its pid means nothing in this namespace."""
+    """A sibling container with the same host name: its pid means nothing in this namespace;
+    it is gone only once it has missed a renewal."""
     import socket
+
+    from onceflow.lease import MISSED_RENEWAL_S
 
     dead = subprocess.Popen(["true"])
     dead.wait()  # no such process here; the holder's may well be alive in its own namespace
-    checkpoint = hold(tmp_path, host=socket.gethostname(), pid=dead.pid, pid_namespace=1)
-    with pytest.raises(CheckpointClaimError):
-        Lease(checkpoint, "app").acquire()
+    sibling = {"host": socket.gethostname(), "pid": dead.pid, "pid_namespace": 1}
+    lease = Lease(hold(tmp_path, **sibling), "app")
+    assert not lease._is_free(sibling, time.time() - 5)
+    assert lease._is_free(sibling, time.time() - MISSED_RENEWAL_S - 1)
+
+
+def test_a_start_waits_for_a_sibling_namespace_holder_to_miss_a_renewal(tmp_path, monkeypatch):
+    import socket
+    import threading
+
+    from onceflow import lease
+
+    MISSED_RENEWAL_S = 2.0  # the lease's, shortened for the test
+    monkeypatch.setattr(lease, "MISSED_RENEWAL_S", MISSED_RENEWAL_S)
+
+    sibling = {"host": socket.gethostname(), "pid": 999_999, "pid_namespace": 1}
+    checkpoint = hold(tmp_path, **sibling)
+    claim = json.loads((tmp_path / CLAIM).read_text())
+    claim["heartbeat"] = time.time() - MISSED_RENEWAL_S + 1  # a renewal is due in 1 s
+    (tmp_path / CLAIM).write_text(json.dumps(claim))
+    started = time.monotonic()
+    Lease(checkpoint, "app").acquire()  # it never renews: this container's earlier life
+    assert time.monotonic() - started >= 0.9
+
+    renewing = threading.Event()
+
+    def renew() -> None:  # a live sibling
+        while not renewing.wait(0.2):
+            with checkpoint.claim() as live:
+                live["holder"], live["heartbeat"] = sibling, time.time()
+
+    claim["heartbeat"] = time.time()
+    (tmp_path / CLAIM).write_text(json.dumps(claim))
+    threading.Thread(target=renew, daemon=True).start()
+    try:
+        with pytest.raises(CheckpointClaimError):
+            Lease(checkpoint, "app").acquire()
+    finally:
+        renewing.set()
 
 
 def test_a_reused_pid_does_not_keep_a_dead_holders_lease(tmp_path):
