@@ -166,15 +166,21 @@ class Bench:
                 start_new_session=True,
             )
 
-    # -- 1. restart to output ----------------------------------------------------------------
-
-    def restart_to_output(self, rounds: int, cold: bool) -> dict:
-        source, output = self.topic("in"), self.topic("out")
-        path = self.pipeline("restart", source, output)
+    def after_a_first_run(self, name: str, topic: str) -> tuple[Path, Clicks, OutputWatch]:
+        """A windowed pipeline whose checkpoint and state exist (a first run over 5,000
+        clicks), its click producer and a watch on its output."""
+        source, output = self.topic(topic), self.topic(topic.replace("in", "out"))
+        path = self.pipeline(name, source, output)
         clicks, watch = Clicks(self.bootstrap, source), OutputWatch(self.bootstrap, output)
         clicks.produce(5_000)
         print("  first run: creating the checkpoint and state ...", flush=True)
-        assert self.start(path, self.work / "restart-0.log", "--available-now").wait() == 0
+        assert self.start(path, self.work / f"{name}-0.log", "--available-now").wait() == 0
+        return path, clicks, watch
+
+    # -- 1. restart to output ----------------------------------------------------------------
+
+    def restart_to_output(self, rounds: int, cold: bool) -> dict:
+        path, clicks, watch = self.after_a_first_run("restart", "in")
 
         def one(label: str) -> dict:
             clicks.produce(self.backlog)
@@ -211,12 +217,7 @@ class Bench:
     def failover(self, rounds: int) -> dict:
         """Kill the active instance with a backlog waiting and a standby (`run --standby`)
         beside it: seconds from the kill to the standby's first output."""
-        source, output = self.topic("fo-in"), self.topic("fo-out")
-        path = self.pipeline("failover", source, output)
-        clicks, watch = Clicks(self.bootstrap, source), OutputWatch(self.bootstrap, output)
-        clicks.produce(5_000)
-        print("  first run: creating the checkpoint and state ...", flush=True)
-        assert self.start(path, self.work / "failover-0.log", "--available-now").wait() == 0
+        path, clicks, watch = self.after_a_first_run("failover", "fo-in")
         seconds = []
         for i in range(rounds):
             active_log, standby_log = (self.work / f"failover-{i}-{n}.log" for n in "as")
