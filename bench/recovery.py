@@ -14,9 +14,14 @@
    SIGKILLed a fixed time after each start, round after round. The epochs committed per
    round are counted from the checkpoint's commit log; then the rest is drained and
    `onceflow verify` checks that the output is exactly once.
-3. Small epochs. The pipeline runs on a trickle of input (a few records per epoch); the
-   median duration of its epochs and of their plan, process and commit phases, from its
-   progress lines: the fixed cost of an epoch (Spark runs no epoch without new input).
+3. Small epochs. The windowed pipeline, and a pass-through one, run on a trickle of input
+   (a few records per epoch); the median duration of their epochs and of their plan,
+   process and commit phases (and of Spark's own), from their progress lines: the fixed
+   cost of an epoch (Spark runs no epoch without new input).
+4. Spark's floor. A two-task job over ten rows in a warm session, in the JVM alone and
+   through one Python stage (`bench.spark_floor`): what Spark itself costs per epoch here.
+
+1b (`failover`) is described at its method.
 
 Writes bench/results/recovery.json and recovery.md.
 """
@@ -126,7 +131,7 @@ class Bench:
         create_topic(self.bootstrap, topic, PARTITIONS)
         return topic
 
-    def pipeline(self, name: str, source: str, output: str, **extra) -> Path:
+    def pipeline(self, name: str, source: str, output: str, windowed: bool = True, **extra) -> Path:
         config = {
             "app_id": f"recovery-{name}-{uuid.uuid4().hex[:6]}",
             "kafka": {"bootstrap_servers": self.bootstrap},
@@ -150,6 +155,8 @@ class Bench:
             "metrics": {"port": 0},
             **extra,
         }
+        if not windowed:
+            del config["event_time"], config["window"]
         path = self.work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
         return path
@@ -297,12 +304,16 @@ class Bench:
     # -- 3. small epochs ---------------------------------------------------------------------
 
     def small_epochs(self, seconds: float, rate: int = 5) -> dict:
-        """An epoch's fixed cost: Spark runs no epoch without new input, so the input is a
-        trickle (`rate` clicks a second, a few per epoch at the default 1 s trigger)."""
-        source, output = self.topic("trickle-in"), self.topic("trickle-out")
-        path = self.pipeline("trickle", source, output)
+        """An epoch's fixed cost, windowed and pass-through: Spark runs no epoch without new
+        input, so the input is a trickle (`rate` clicks a second, a few per epoch at the
+        default 1 s trigger). Medians of onceflow's phases and of Spark's own (`phases_ms`)."""
+        return {kind: self._trickle(kind, seconds, rate) for kind in ("windowed", "pass_through")}
+
+    def _trickle(self, kind: str, seconds: float, rate: int) -> dict:
+        source, output = self.topic(f"trickle-{kind}-in"), self.topic(f"trickle-{kind}-out")
+        path = self.pipeline(f"trickle-{kind}", source, output, windowed=kind == "windowed")
         clicks = Clicks(self.bootstrap, source)
-        log = self.work / "trickle.log"
+        log = self.work / f"trickle-{kind}.log"
         process = self.start(path, log)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
@@ -313,6 +324,7 @@ class Bench:
         epochs = [e for e in _epochs(log) if 0 < e["input_records"] <= 5 * rate][3:]  # warm
         if not epochs:
             return {"epochs": 0}
+        spark_phases = sorted({p for e in epochs for p in e["phases_ms"]})
         return {
             "epochs": len(epochs),
             "input_records_per_s": rate,
@@ -320,7 +332,23 @@ class Bench:
                 f"{key}_median_ms": statistics.median(e[key] for e in epochs)
                 for key in ("duration_ms", "plan_ms", "process_ms", "commit_ms")
             },
+            "spark_phases_median_ms": {
+                p: statistics.median(e["phases_ms"].get(p, 0) for e in epochs) for p in spark_phases
+            },
         }
+
+    # -- 4. Spark's floor -------------------------------------------------------------------
+
+    def spark_floor(self) -> dict:
+        """Spark's own cost of a tiny job here, with and without one Python stage."""
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.spark_floor"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return json.loads(out.strip().splitlines()[-1])
 
 
 def _wait_for_line(log: Path, text: str, process: subprocess.Popen, timeout: float = 300) -> None:
@@ -383,6 +411,7 @@ def _epochs(log: Path) -> list[dict]:
                     "plan_ms": plan,
                     "process_ms": process,
                     "commit_ms": commit,
+                    "phases_ms": line.get("phases_ms", {}),
                 }
             )
     return epochs
@@ -425,7 +454,11 @@ def report(results: dict) -> str:
         f"{crash['epochs_per_round']}, {crash['rounds_without_progress']} of "
         f"{crash['rounds']} rounds without progress; `onceflow verify` exit "
         f"{crash['verify_exit_code']} {crash['verify']}.",
-        f"- Epochs of a few records: {small}.",
+        *[
+            f"- Epochs of a few records, {kind.replace('_', '-')}: {small[kind]}."
+            for kind in ("windowed", "pass_through")
+        ],
+        f"- Spark's floor (a two-task job over ten rows, warm session): {results['spark_floor']}.",
         "",
     ]
     return "\n".join(lines)
@@ -442,7 +475,8 @@ def main() -> None:
     parser.add_argument("--trickle-seconds", type=float, default=60.0)
     parser.add_argument("--no-cold", action="store_true", help="skip the cold round")
     parser.add_argument(
-        "--only", help="comma-separated parts to run (restart, failover, crash_loop, small_epochs)"
+        "--only",
+        help="comma-separated parts (restart, failover, crash_loop, small_epochs, spark_floor)",
     )
     args = parser.parse_args()
 
@@ -455,6 +489,7 @@ def main() -> None:
         "failover": lambda: bench.failover(args.failover_rounds),
         "crash_loop": lambda: bench.crash_loop(args.crash_rounds, args.kill_after, args.rate),
         "small_epochs": lambda: bench.small_epochs(args.trickle_seconds),
+        "spark_floor": bench.spark_floor,
     }
     chosen = args.only.split(",") if args.only else list(parts)
     results = {

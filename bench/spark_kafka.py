@@ -143,7 +143,7 @@ def main() -> None:
     args = parser.parse_args()
     from pyspark.sql import SparkSession
 
-    from onceflow.spark_session import DEFAULT_CONF
+    from onceflow.spark_session import DEFAULT_CONF, state_partitions
 
     builder = SparkSession.builder.master(args.master).config(
         "spark.jars", ",".join(connector_jars())
@@ -151,6 +151,8 @@ def main() -> None:
     for key, value in DEFAULT_CONF.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
+    cores = spark.sparkContext.defaultParallelism
+    spark.conf.set("spark.sql.shuffle.partitions", str(state_partitions(args.master, cores)))
     spark.sparkContext.setLogLevel("WARN")
     query = (
         build_query(spark, args.query, args.bootstrap, args.source)

@@ -409,7 +409,9 @@ def range_consumer(conf: dict[str, str]) -> Consumer:
             _consumers[key] = Consumer(
                 {
                     "fetch.min.bytes": 1,
-                    "fetch.wait.max.ms": 50,
+                    # librdkafka keeps one fetch in flight per broker: one that the broker
+                    # holds at a range's end delays the next range's first fetch by up to this.
+                    "fetch.wait.max.ms": 5,
                     # Prefetch about one Arrow batch: what is fetched past a range's end is
                     # thrown away when the task unassigns the partition.
                     "queued.min.messages": PREFETCH_MESSAGES,

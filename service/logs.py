@@ -1,6 +1,7 @@
 """Logging setup: human-readable lines, or one JSON object per line (ONCEFLOW_LOG_FORMAT=json).
 
-Epoch lines carry `app`, `batch_id` and `offsets` as fields, so log pipelines can index them.
+Epoch lines carry `app`, `batch_id`, `offsets` and Spark's `phases_ms` as fields, so log
+pipelines can index them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import logging
 import os
 import time
 
-EXTRA_FIELDS = ("app", "batch_id", "offsets", "input_records", "duration_ms")
+EXTRA_FIELDS = ("app", "batch_id", "offsets", "input_records", "duration_ms", "phases_ms")
 LEVELS = ("debug", "info", "warning", "error")
 
 

@@ -189,6 +189,7 @@ class PipelineListener(StreamingQueryListener):
                 "batch_id": progress.batchId,
                 "input_records": progress.numInputRows,
                 "duration_ms": progress.batchDuration,
+                "phases_ms": dict(durations),
                 "offsets": {s.description: s.endOffset for s in progress.sources},
             },
         )

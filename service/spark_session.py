@@ -16,7 +16,13 @@ DEFAULT_CONF = {
     "spark.ui.showConsoleProgress": "false",
     # Keyed state (transformWithState) needs RocksDB; it is also the store that scales.
     "spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER,
-    "spark.sql.shuffle.partitions": "4",
+    # Each epoch uploads only the state's changes (Spark reads a checkpoint written either
+    # way, so existing ones too). Every 10th version is also snapshotted, and the snapshot is
+    # uploaded by the state store's maintenance task, which Spark first runs one interval
+    # after the state is loaded: with its default (60 s) a process that lives shorter never
+    # uploads one, and every restart replays all the changelogs since the last.
+    "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled": "true",
+    "spark.sql.streaming.stateStore.maintenanceInterval": "5s",
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     # A failed task is a failed epoch: Spark retries the whole batch from its offset log.
@@ -52,9 +58,21 @@ def build_session(
     for key, value in {**settings, **(conf or {})}.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
+    if "spark.sql.shuffle.partitions" not in (conf or {}):
+        cores = spark.sparkContext.defaultParallelism
+        spark.conf.set("spark.sql.shuffle.partitions", str(state_partitions(master, cores)))
     quiet_spark_logs(spark)
     register_data_source(spark)
     return spark
+
+
+def state_partitions(master: str, cores: int) -> int:
+    """Partitions of a new query's keyed state: one per core of a local master (`cores`, as
+    Spark counts them: a container's CPU limit, not the host's CPUs), at least 2, so that a
+    stateful stage runs in one wave (every task of an epoch pays a fixed cost to open and
+    commit its state store); else 4. Spark pins the number in the checkpoint at its first
+    epoch; `spark.sql.shuffle.partitions` in `spark.conf` sets it."""
+    return max(2, cores) if master.strip().startswith("local[") or master == "local" else 4
 
 
 # Spark loggers that print a failed task's or query's stack trace: onceflow reports the

@@ -143,6 +143,41 @@ def test_tumbling_windows_with_dead_letters_late_records_and_exact_accounting(
     inputs = len(on_time) + len(malformed) + len(late) + 1
     assert counted + len(dead) + len(late_out) + 1 == inputs
 
+    # The keyed state: a partition per core of local[2], and each epoch uploaded a changelog
+    # of its changes instead of a snapshot of the whole store.
+    state = Path(config.checkpoint_location) / "state" / "0"
+    assert sorted(p.name for p in state.iterdir() if p.name.isdigit()) == ["0", "1"]
+    assert {p.parent.name for p in state.glob("*/*.changelog")} == {"0", "1"}
+
+
+def test_a_run_of_seconds_uploads_state_snapshots_that_a_restart_continues_from(
+    kafka_bootstrap, spark, topics, tmp_path
+):
+    """Each epoch uploads a changelog of the state; every 10th version is snapshotted and the
+    snapshot uploaded by Spark's maintenance task. Run by Spark's default only a minute after
+    the state is loaded, it never ran in a process that lived shorter, and every restart
+    replayed all the changelogs since the checkpoint began."""
+    window = {
+        "type": "tumbling",
+        "size": "10s",
+        "key": "user",
+        "aggregations": {"clicks": "count(*)", "bytes": "sum(bytes)"},
+    }
+    raw = pipeline(topics, tmp_path, kafka_bootstrap, window)
+    raw["source"]["max_records_per_batch"] = 32  # 30 epochs: the run lasts seconds
+    config = parse(raw)
+    events = [(f"u{i % 3}", BASE + i * 97) for i in range(960)]
+    produce(kafka_bootstrap, topics["in"], [(u.encode(), click(u, ts), 0) for u, ts in events])
+    run(config, available_now=True)
+
+    state = Path(config.checkpoint_location) / "state" / "0"
+    assert {p.parent.name for p in state.glob("*/*.zip")} == {"0", "1"}
+    # The restart loads a snapshot and replays the changelogs after it; a far-ahead record
+    # closes every window of the first run.
+    produce(kafka_bootstrap, topics["in"], [(b"u0", click("u0", BASE + 1_000_000), 1)])
+    run(config, available_now=True)
+    assert results(kafka_bootstrap, topics["out"]) == tumbling_expected(events, 10_000)
+
 
 def test_sliding_windows_count_each_event_in_every_window_it_falls_in(
     kafka_bootstrap, spark, topics, tmp_path

@@ -1,0 +1,21 @@
+"""The session defaults that depend on the master (pure logic, no Spark started)."""
+
+import pytest
+
+from onceflow.spark_session import state_partitions
+
+
+@pytest.mark.parametrize(
+    ("master", "cores", "partitions"),
+    [
+        ("local[2]", 2, 2),
+        ("local[*]", 8, 8),  # cores as Spark counts them: a container's CPU limit
+        ("local[3, 2]", 3, 3),  # local[cores, maxFailures]
+        ("local", 1, 2),  # one core, but a checkpoint keeps its partitions for good
+        ("local[1]", 1, 2),
+        ("spark://master:7077", 16, 4),
+        ("local-cluster[2,1,1024]", 2, 4),
+    ],
+)
+def test_keyed_state_has_a_partition_per_core_of_a_local_master(master, cores, partitions):
+    assert state_partitions(master, cores) == partitions
