@@ -72,7 +72,8 @@ def state_partitions(master: str, cores: int) -> int:
     stateful stage runs in one wave (every task of an epoch pays a fixed cost to open and
     commit its state store); else 4. Spark pins the number in the checkpoint at its first
     epoch; `spark.sql.shuffle.partitions` in `spark.conf` sets it."""
-    return max(2, cores) if master.strip().startswith("local[") or master == "local" else 4
+    local = master.strip() == "local" or master.strip().startswith("local[")
+    return max(2, cores) if local else 4
 
 
 # Spark loggers that print a failed task's or query's stack trace: onceflow reports the
