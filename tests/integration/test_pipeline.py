@@ -25,6 +25,12 @@ from tests.helpers import free_port, own_broker, produce, wait_until
 pytestmark = pytest.mark.integration
 BASE = 1_700_000_000_000  # event times start here (ms)
 SCHEMA = "user STRING, url STRING, bytes LONG, ts LONG"
+TUMBLING_CLICKS = {  # clicks and bytes per user, in 10 s windows
+    "type": "tumbling",
+    "size": "10s",
+    "key": "user",
+    "aggregations": {"clicks": "count(*)", "bytes": "sum(bytes)"},
+}
 
 
 def click(user: str, ts: int, url: str = "/", size: int = 10) -> bytes:
@@ -85,13 +91,7 @@ def tumbling_expected(events: list[tuple[str, int]], size: int) -> dict[tuple, d
 def test_tumbling_windows_with_dead_letters_late_records_and_exact_accounting(
     kafka_bootstrap, spark, topics, tmp_path
 ):
-    window = {
-        "type": "tumbling",
-        "size": "10s",
-        "key": "user",
-        "aggregations": {"clicks": "count(*)", "bytes": "sum(bytes)"},
-    }
-    config = parse(pipeline(topics, tmp_path, kafka_bootstrap, window))
+    config = parse(pipeline(topics, tmp_path, kafka_bootstrap, TUMBLING_CLICKS))
     on_time = [(f"u{i % 3}", BASE + i * 97) for i in range(600)]  # about 58 s of events
     malformed = [
         b"{not json",
@@ -157,13 +157,7 @@ def test_a_run_of_seconds_uploads_state_snapshots_that_a_restart_continues_from(
     snapshot uploaded by Spark's maintenance task. Run by Spark's default only a minute after
     the state is loaded, it never ran in a process that lived shorter, and every restart
     replayed all the changelogs since the checkpoint began."""
-    window = {
-        "type": "tumbling",
-        "size": "10s",
-        "key": "user",
-        "aggregations": {"clicks": "count(*)", "bytes": "sum(bytes)"},
-    }
-    raw = pipeline(topics, tmp_path, kafka_bootstrap, window)
+    raw = pipeline(topics, tmp_path, kafka_bootstrap, TUMBLING_CLICKS)
     raw["source"]["max_records_per_batch"] = 32  # 30 epochs: the run lasts seconds
     config = parse(raw)
     events = [(f"u{i % 3}", BASE + i * 97) for i in range(960)]
@@ -336,13 +330,7 @@ RESULT_AVRO = {
 
 def test_avro_in_and_out(kafka_bootstrap, spark, topics, tmp_path):
     (tmp_path / "click.avsc").write_text(json.dumps(CLICK_AVRO))
-    window = {
-        "type": "tumbling",
-        "size": "10s",
-        "key": "user",
-        "aggregations": {"clicks": "count(*)", "bytes": "sum(bytes)"},
-    }
-    raw = pipeline(topics, tmp_path, kafka_bootstrap, window)
+    raw = pipeline(topics, tmp_path, kafka_bootstrap, TUMBLING_CLICKS)
     raw["source"].update(format="avro", schema_file="click.avsc")
     del raw["source"]["schema"]
     raw["sink"]["format"] = "avro"
