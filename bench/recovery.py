@@ -455,8 +455,8 @@ def report(results: dict) -> str:
         f"{crash['rounds']} rounds without progress; `onceflow verify` exit "
         f"{crash['verify_exit_code']} {crash['verify']}.",
         *[
-            f"- Epochs of a few records, {kind.replace('_', '-')}: {small[kind]}."
-            for kind in ("windowed", "pass_through")
+            f"- Epochs of a few records, {kind.replace('_', '-')}: {figures}."
+            for kind, figures in small.items()
         ],
         f"- Spark's floor (a two-task job over ten rows, warm session): {results['spark_floor']}.",
         "",
