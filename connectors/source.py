@@ -46,7 +46,8 @@ EARLIEST, LATEST = -2, -1  # as in Spark's startingOffsets JSON
 ARROW_BATCH_ROWS = kafka_clients.PREFETCH_MESSAGES
 READ_STALL_TIMEOUT_S = 120.0
 LOOKUP_ATTEMPTS = 3
-FIRST_EPOCH_SHARE = 16  # of maxOffsetsPerTrigger, for the first epoch a process plans
+# The first epochs a process plans take 1/16, then 1/4 of maxOffsetsPerTrigger, then all of it.
+RAMP_SHARES = (16, 4)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         location = options.get("checkpointLocation")
         self.checkpoint = CheckpointDir(location) if location else None
         self._latest: Offsets | None = None
-        self._planned_records = False  # this process planned an epoch with records
+        self._epochs_planned = 0  # epochs with records this process planned
         self._available_now_target: dict[tuple[str, int], int] | None = None
 
     # Clients live in module-level caches (kafka_clients), never on the instance: the reader
@@ -180,8 +181,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             target = self._available_now_target
             stable = {tp: min(o, target.get(tp, earliest[tp])) for tp, o in stable.items()}
         available = {tp: max(0, stable[tp] - o) for tp, o in starts.items() if tp not in rewound}
-        take = _admit(available, limit if self._planned_records else first_epoch_limit(limit))
-        self._planned_records |= any(take.values())
+        take = _admit(available, ramp_limit(limit, self._epochs_planned))
+        self._epochs_planned += any(take.values())
         end = {tp: starts[tp] + n for tp, n in take.items()}
         joined = [tp for tp in tps if tp not in starts and tp not in recreated]
         if joined:
@@ -496,13 +497,15 @@ class _Columns:
         )
 
 
-def first_epoch_limit(limit: ReadLimit) -> ReadLimit:
-    """The first epoch a process plans takes a FIRST_EPOCH_SHARE of the limit: it runs while
-    Spark's Python processes, RocksDB and the JIT are still cold, so after a restart the first
-    output comes seconds sooner, and a crash loop's replays stay small enough to commit."""
-    if not isinstance(limit, ReadMaxRows):
+def ramp_limit(limit: ReadLimit, epochs_planned: int) -> ReadLimit:
+    """The first epochs a process plans take a share of the limit (RAMP_SHARES), as TCP's slow
+    start does: the first runs while Spark's Python processes, RocksDB and the JIT are still
+    cold, so a crash loop's replays stay small enough to commit; the second is the one that
+    publishes the windows the first one's watermark closed, so after a restart they come
+    seconds sooner. Then every epoch takes the whole limit."""
+    if not isinstance(limit, ReadMaxRows) or epochs_planned >= len(RAMP_SHARES):
         return limit
-    return ReadMaxRows(max(1, limit.max_rows // FIRST_EPOCH_SHARE))
+    return ReadMaxRows(max(1, limit.max_rows // RAMP_SHARES[epochs_planned]))
 
 
 def _admit(available: dict[tuple[str, int], int], limit: ReadLimit) -> dict[tuple[str, int], int]:

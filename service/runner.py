@@ -223,4 +223,28 @@ def failure(error_text: str) -> PipelineFailed:
     if cause is not None:
         return PipelineFailed(errors.describe(cause), cause)
     lines = [line for line in error_text.splitlines() if line.strip()]
-    return PipelineFailed(lines[0] if lines else "the streaming query failed")
+    if not lines:
+        return PipelineFailed("the streaming query failed")
+    first = lines[0]
+    if first.endswith(PYTHON_TRACEBACK):  # Spark's words, then a Python worker's traceback
+        raised = _raised_by_python(lines[1:])
+        if raised is not None:
+            first = first[: -len(PYTHON_TRACEBACK)] + raised
+    return PipelineFailed(first)
+
+
+PYTHON_TRACEBACK = "Traceback (most recent call last):"
+
+
+def _raised_by_python(lines: list[str]) -> str | None:
+    """The line naming the exception at the end of a Python traceback (frames are indented;
+    the JVM's own stack, after it, starts with a tab or 'Caused by')."""
+    raised = None
+    for line in lines:
+        if line.startswith(("\tat ", "Caused by:")):
+            break
+        if not line[0].isspace() and not line.startswith(
+            (PYTHON_TRACEBACK, "During handling of", "The above exception")
+        ):
+            raised = line
+    return raised

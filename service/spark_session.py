@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Mapping
 
+from . import forkserver
 from .class_archive import driver_java_options
 
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
@@ -42,12 +43,17 @@ def build_session(
     """A SparkSession with the onceflow Kafka data source registered as `onceflow-kafka`."""
     # Python workers must run the interpreter onceflow is installed in, not whatever
     # `python3` is first on PATH.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    # Fault points (tests only) kill this process group: the driver and its JVM.
-    os.environ.setdefault("ONCEFLOW_SERVICE_PGID", str(os.getpgid(0)))
+    own_python = False
+    for name in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON"):
+        own_python |= os.environ.setdefault(name, sys.executable) != sys.executable
+    launcher = None
     if master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        # Spark's Python processes forked from a process that has imported pyspark, unless
+        # the user chose a Python for Spark (executors of a cluster start theirs as usual).
+        launcher = None if own_python else forkserver.start_server()
+    # Fault points (tests only) kill this process group: the driver and its JVM.
+    os.environ.setdefault("ONCEFLOW_SERVICE_PGID", str(os.getpgid(0)))
     from pyspark.sql import SparkSession
 
     settings = dict(DEFAULT_CONF)
@@ -57,7 +63,8 @@ def build_session(
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in {**settings, **(conf or {})}.items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    with forkserver.spark_python(launcher):
+        spark = builder.getOrCreate()
     if "spark.sql.shuffle.partitions" not in (conf or {}):
         cores = spark.sparkContext.defaultParallelism
         spark.conf.set("spark.sql.shuffle.partitions", str(state_partitions(master, cores)))

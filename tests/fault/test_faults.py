@@ -73,11 +73,12 @@ class Service:
 
 
 def _descendants(pid: int) -> list[int]:
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    try:
-        kids = [int(p) for p in children.read_text().split()]
-    except OSError:
-        return []
+    """Every process `pid` started, and theirs, whichever of its threads started them (the
+    JVM starts Spark's Python processes from threads other than its main one)."""
+    kids = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            kids += [int(p) for p in children.read_text().split()]
     return [d for k in kids for d in [k, *_descendants(k)]]
 
 

@@ -63,11 +63,12 @@ def test_a_checkpoint_restored_from_an_older_copy_is_refused_not_skipped(
     by_500 = write_pipeline(tmp_path / "a.yaml", topics, kafka_bootstrap, checkpoint, 500)
 
     produce(kafka_bootstrap, topics["in"], ((None, v, 0) for v in records[:1000]))
-    # Each run's first epoch takes a 16th of the limit: batches 0-2 of 31, 500 and 469 records.
+    # Each run's first epochs take a 16th and a quarter of the limit: batches 0-3 of 31, 125,
+    # 500 and 344 records.
     run(load(by_500), available_now=True)  # in this process: faster
     shutil.copytree(checkpoint, snapshot)  # the backup
     produce(kafka_bootstrap, topics["in"], ((None, v, 0) for v in records[1000:2500]))
-    run(load(by_500), available_now=True)  # batches 3-6: the marker says batch 6
+    run(load(by_500), available_now=True)  # batches 4-8: the marker says batch 8
     assert values(kafka_bootstrap, topics["out"]) == Counter(records[:2500])
 
     # The host is restored from the backup, the app retuned, and more input arrives.
@@ -77,11 +78,11 @@ def test_a_checkpoint_restored_from_an_older_copy_is_refused_not_skipped(
     by_1000 = write_pipeline(tmp_path / "b.yaml", topics, kafka_bootstrap, checkpoint, 1000)
     restored = run_cli(by_1000)
 
-    # Batch 3 is now [1000, 1062), then batches of 1000: skipping them as replays (they are
-    # at or below batch 6, the marker's) would lose 2500..2999.
+    # Batch 4 is now [1000, 1062), then 250 and 1000 records: skipping them as replays (they
+    # are at or below batch 8, the marker's) would lose 2500..2999.
     assert restored.returncode == 1, restored.stderr[-3000:]
-    assert "CheckpointMismatchError: batch 3, planned with source offsets" in restored.stderr
-    assert "is below batch 6" in restored.stderr
+    assert "CheckpointMismatchError: batch 4, planned with source offsets" in restored.stderr
+    assert "is below batch 8" in restored.stderr
     assert "restored from an older copy" in restored.stderr
     assert values(kafka_bootstrap, topics["out"]) == Counter(records[:2500])
 

@@ -32,3 +32,18 @@ def test_an_onceflow_error_comes_back_typed_and_anything_else_as_its_first_line(
     typed = failure("StreamingQueryException: onceflow.FencedError: another took over\n  at x")
     assert isinstance(typed.cause, FencedError)
     assert str(failure("\n  boom\nat java.lang.Thread")) == "  boom"
+
+
+def test_a_python_workers_error_is_named_by_the_line_that_raised_it_not_traceback():
+    text = (
+        "[PYTHON_STREAMING_DATA_SOURCE_RUNTIME_ERROR] Failed when Python streaming data "
+        "source perform latestOffset: Traceback (most recent call last):\n"
+        '  File "/x/source.py", line 9, in latestOffset\n'
+        "    tps = self._partitions_now()\n"
+        "KeyError: ('in', 0) SQLSTATE: 38000\n"
+        "\tat org.apache.spark.sql.execution.python.PythonStreamingSourceRunner.x(Runner.scala:1)"
+    )
+    assert str(failure(text)) == (
+        "[PYTHON_STREAMING_DATA_SOURCE_RUNTIME_ERROR] Failed when Python streaming data "
+        "source perform latestOffset: KeyError: ('in', 0) SQLSTATE: 38000"
+    )

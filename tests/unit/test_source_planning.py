@@ -173,9 +173,9 @@ def test_a_recreation_retires_the_old_id(monkeypatch):
     assert offsets.topic_ids(end) == {"t": "B"} and offsets.retired_ids(end) == {"t": ["A"]}
 
 
-def test_the_first_epoch_a_process_plans_takes_a_share_of_the_limit_then_the_whole():
+def test_the_first_epochs_a_process_plans_take_a_share_of_the_limit_then_the_whole():
     from onceflow.connectors import offsets
-    from onceflow.connectors.source import FIRST_EPOCH_SHARE, KafkaStreamReader
+    from onceflow.connectors.source import KafkaStreamReader
 
     reader = KafkaStreamReader({"subscribe": "t", "kafka.bootstrap.servers": "x:9092"})
     tps = [("t", 0), ("t", 1)]
@@ -190,13 +190,14 @@ def test_the_first_epoch_a_process_plans_takes_a_share_of_the_limit_then_the_who
     start = offsets.logged(backlog, {"t": "id"})
     idle = offsets.logged(stable, {"t": "id"})
     assert sum(planned(idle, 32_000).values()) == 0  # nothing to read yet: still cold
-    first = planned(start, 32_000)
-    assert sum(first.values()) == 32_000 // FIRST_EPOCH_SHARE
+    assert sum(planned(start, 32_000).values()) == 2_000  # 1/16
+    assert sum(planned(start, 32_000).values()) == 8_000  # 1/4
     assert sum(planned(start, 32_000).values()) == 32_000  # then the whole limit
+    assert sum(planned(start, 32_000).values()) == 32_000
 
 
 def test_a_limit_smaller_than_the_share_still_admits_a_record():
-    from onceflow.connectors.source import first_epoch_limit
+    from onceflow.connectors.source import ramp_limit
 
-    assert first_epoch_limit(ReadMaxRows(5)).max_rows == 1
-    assert isinstance(first_epoch_limit(ReadAllAvailable()), ReadAllAvailable)
+    assert ramp_limit(ReadMaxRows(5), 0).max_rows == 1
+    assert isinstance(ramp_limit(ReadAllAvailable(), 0), ReadAllAvailable)

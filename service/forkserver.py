@@ -1,0 +1,452 @@
+"""A fork server for Spark's Python processes, so that a restart does not wait for imports.
+
+Spark starts a Python process (`python -m pyspark...`) for every kind of Python work: looking
+data sources up, creating one, planning a read, planning a write, the source's runner, the
+sink's commit, the tasks' workers. A restarted pipeline starts seven of them, one after
+another on the micro-batch thread, and each spends most of its start importing pyspark (see
+bench/results/first-epoch.md). This module is a shortcut with three parts:
+
+- The server runs beside the driver from before the JVM starts. It imports what those
+  processes import (only modules that start no thread: a fork copies no thread) and, when
+  asked, forks a child that runs the asked module as `__main__` with the asking process'
+  standard streams, environment, working directory, arguments and ignored signals.
+- The launcher, a shell script beside the server's socket, is the Python that Spark runs
+  (PYSPARK_PYTHON and PYSPARK_DRIVER_PYTHON while the JVM starts): it sends `-m pyspark...`
+  to this module and runs everything else with the real interpreter.
+- This module as `__main__` hands its standard streams to the server, forwards the signals
+  Spark stops its processes with, and ends as its child ends. When the server cannot serve
+  it (gone, or a request it must refuse: another interpreter, network namespace or start-up
+  setting such as PYTHONHASHSEED) it runs the module itself, as Spark would have.
+
+The child talks to the JVM over the same pipes and sockets as a process started by Spark;
+the server only saves the imports. It exits when the driver closes its standard input. (In
+`ps`, a child shows the server's command line: Python cannot rewrite its own.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import select
+import shlex
+import signal
+import socket
+import struct
+import sys
+
+# What Spark's Python processes import, all thread-free: the read planner and the source's
+# runner also import pyarrow, which starts threads, so their children import it themselves.
+# Not the modules Spark runs as `__main__` (pyspark.daemon): runpy executes those anew.
+PRELOAD = (
+    "pyspark.serializers",
+    "pyspark.worker",
+    "pyspark.sql.worker.lookup_data_sources",
+    "pyspark.sql.worker.create_data_source",
+    "pyspark.sql.worker.write_into_data_source",
+    "pyspark.sql.worker.commit_data_source_write",
+    "pyspark.sql.worker.python_streaming_sink_runner",
+    "onceflow.connectors.datasource",
+    "onceflow.routing",
+)
+# Settings a process takes at its start (Python's own) or that preloaded modules read when
+# imported: a request whose value differs from the server's is refused.
+START_UP_SETTINGS = re.compile(
+    r"PYTHON(?!PATH$|UNBUFFERED$)[A-Z]+|PYSPARK_ENABLE_NAMEDTUPLE_PATCH|SPARK_TESTING|"
+    r"PY4J_SKIP_COLLECTIONS|TZ|LC_[A-Z]+|LANG"
+)
+# Signals the launched process forwards, and the child takes as it did: Spark stops its
+# processes with SIGTERM; the JVM starts them with SIGINT ignored.
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_DIRECTORY_PREFIX = "onceflow-forkserver-"
+_HEADER = struct.Struct("!Q")
+_INT = struct.Struct("!i")
+_REFUSED = -1
+_HANDSHAKE_TIMEOUT_S = 10.0
+_server = None  # this process' server and its launcher, started once
+
+
+def start_server() -> str | None:
+    """Start this process' server (once); return its launcher, to be PYSPARK_PYTHON while
+    the JVM starts (see `spark_python`). None when it cannot start."""
+    global _server
+    if _server is not None:
+        return _server[1]
+    import tempfile
+
+    _remove_stale_directories(tempfile.gettempdir())
+    directory = tempfile.mkdtemp(prefix=f"{_DIRECTORY_PREFIX}{os.getpid()}-")
+    path = os.path.join(directory, "socket")
+    if len(path.encode()) > 100:  # a Unix socket's path must fit in 108 bytes
+        os.rmdir(directory)
+        return None
+    launcher = os.path.join(directory, "python")
+    _write_launcher(launcher, path)
+    _server = (spawn(path), launcher)
+    return launcher
+
+
+def spawn(path: str):
+    """The server process, serving at `path` until its standard input (a pipe) closes."""
+    import subprocess
+
+    # Spark's own default for its Python processes: hash() and set order repeat on replay.
+    env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "onceflow.forkserver", "--serve", path],
+        stdin=subprocess.PIPE,
+        env=env,
+    )
+
+
+@contextlib.contextmanager
+def spark_python(launcher: str | None):
+    """PYSPARK_PYTHON and PYSPARK_DRIVER_PYTHON are `launcher` inside: the SparkContext
+    takes the one, the JVM started inside the other. Restored after, so that no process
+    started later (a Spark worker, another pipeline) inherits this process' server."""
+    names = ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")
+    before = {name: os.environ.get(name) for name in names}
+    if launcher is not None:
+        os.environ.update(dict.fromkeys(names, launcher))
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _write_launcher(path: str, socket_path: str) -> None:
+    python, server = shlex.quote(sys.executable), shlex.quote(socket_path)
+    with open(path, "w") as out:
+        out.write(
+            "#!/bin/sh\n"
+            "# Spark's Python for one onceflow process (onceflow.forkserver)\n"
+            f'if [ "$1" = -m ] && [ "${{2#pyspark.}}" != "$2" ] && [ -S {server} ]; then\n'
+            "    shift\n"
+            f'    exec {python} -m onceflow.forkserver {server} "$@"\n'
+            "fi\n"
+            f'exec {python} "$@"\n'
+        )
+    os.chmod(path, 0o755)
+
+
+def _remove_stale_directories(tmp: str) -> None:
+    """Directories of servers whose driver was killed (a server removes its own as it ends,
+    which a SIGKILL of the whole process group does not let it do)."""
+    import shutil
+
+    for name in os.listdir(tmp):
+        owner = name[len(_DIRECTORY_PREFIX) :].split("-", 1)[0]
+        if not (name.startswith(_DIRECTORY_PREFIX) and owner.isdigit()):
+            continue
+        directory = os.path.join(tmp, name)
+        with contextlib.suppress(OSError):
+            if os.stat(directory).st_uid == os.getuid() and not _alive(int(owner)):
+                shutil.rmtree(directory)
+
+
+# -- the launched side: runs in the process Spark starts --------------------------------------
+
+
+def run(path: str, module: str, args: list[str]) -> None:
+    """Run `module` as `__main__` with `args`: in a child of the server at `path` when it
+    serves this request, else here."""
+    ignored = [s for s in SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
+    server = _connect(path)
+    pid = _ask_for_child(server, module, args, ignored) if server else _REFUSED
+    if pid == _REFUSED:
+        import runpy
+
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    assert server is not None
+    try:  # not its pid: that may be reused once the child is reaped
+        child: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:  # ended already: its code is on the way
+        child = None
+    # The JVM's pipes now belong to the child alone: Spark sees their end when it ends.
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    for signum in set(SIGNALS) - set(ignored):
+        signal.signal(signum, lambda received, _frame: _forward(child, received))
+    code = _wait_for(server, child)
+    if code < 0:  # the child was killed by a signal: so is this process, as Spark would see it
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+def _connect(path: str) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _ask_for_child(server: socket.socket, module: str, args: list[str], ignored: list) -> int:
+    """The pid of the server's child that runs `module`, or _REFUSED."""
+    request = {
+        "module": module,
+        "args": args,
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "ignored": [int(s) for s in ignored],
+        "python": sys.executable,
+        "home": os.path.dirname(os.path.abspath(__file__)),
+        "netns": _network_namespace(),
+    }
+    data = json.dumps(request).encode()
+    try:
+        socket.send_fds(server, [_HEADER.pack(len(data))], [0, 1, 2])
+        server.sendall(data)
+    except OSError:  # the server is gone (its driver is going): nothing was forked
+        return _REFUSED
+    try:
+        return _INT.unpack(_read_exactly(server, _INT.size))[0]
+    except OSError as exc:  # a child may have been forked: running the module here too is
+        sys.exit(f"onceflow fork server: no answer ({exc})")  # not safe
+
+
+def _wait_for(server: socket.socket, child: int | None) -> int:
+    """The child's exit code from the server; if the server is gone first, 0 once the child
+    has ended (its code was the server's to collect)."""
+    while True:
+        ready, _, _ = select.select([server, *([child] if child is not None else [])], [], [])
+        if server in ready:
+            try:
+                return _INT.unpack(_read_exactly(server, _INT.size))[0]
+            except OSError:
+                if child is not None:
+                    select.select([child], [], [])
+                return 0
+        # The child ended: the server's report follows at once, unless the server is gone.
+        if not select.select([server], [], [], 5)[0]:
+            return 0
+
+
+def _forward(child: int | None, signum: int) -> None:
+    if child is not None:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(child, signum)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _network_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/net")
+    except OSError:
+        return ""
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the fork server closed the connection")
+        data += chunk
+    return data
+
+
+# -- the server ------------------------------------------------------------------------------
+
+
+def serve(path: str) -> None:
+    """Fork children for whoever connects to `path` until standard input closes."""
+    import gc
+    import importlib
+
+    # Its life is its driver's (standard input): a Ctrl-C or a SIGTERM to the process group
+    # is for the driver, which stops the query first.
+    for signum in SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)  # before importing: an early request waits instead of going alone
+    listener.listen(64)
+    for module in PRELOAD:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # the child imports it again and reports what is wrong
+            print(f"onceflow fork server: could not preload {module}: {exc}", file=sys.stderr)
+    gc.freeze()  # what was imported stays shared with the children instead of being copied
+    exited_r, exited_w = os.pipe()  # a child's exit wakes the loop at once
+    os.set_blocking(exited_w, False)
+    signal.set_wakeup_fd(exited_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    # child pid -> the connection of the process Spark started (None once that one died)
+    children: dict[int, socket.socket | None] = {}
+    try:
+        while True:
+            watched = [sys.stdin, listener, exited_r, *(c for c in children.values() if c)]
+            ready, _, _ = select.select(watched, [], [])
+            if exited_r in ready:
+                os.read(exited_r, 4096)
+            _report_exits(children)
+            if sys.stdin in ready and not os.read(0, 4096):
+                return  # the driver is gone
+            if listener in ready:
+                _start_child(listener, children, [exited_r, exited_w])
+            for pid, conn in list(children.items()):
+                if conn is not None and conn in ready:
+                    # What Spark started is gone (killed): so goes the child it stood for.
+                    conn.close()
+                    children[pid] = None
+                    _forward_to_pid(pid, signal.SIGTERM)
+    finally:
+        listener.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        directory = os.path.dirname(path)  # with the launcher, if start_server made it
+        if os.path.basename(directory).startswith(_DIRECTORY_PREFIX):
+            import shutil
+
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _start_child(
+    listener: socket.socket, children: dict[int, socket.socket | None], pipe: list[int]
+) -> None:
+    conn, _ = listener.accept()
+    conn.settimeout(_HANDSHAKE_TIMEOUT_S)
+    fds: list[int] = []
+    pid = _REFUSED
+    try:
+        header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+        if len(header) != _HEADER.size or len(fds) != 3:
+            raise ConnectionError("incomplete request")
+        request = json.loads(_read_exactly(conn, _HEADER.unpack(header)[0]))
+        if _serves(request):
+            pid = os.fork()
+            if pid == 0:
+                open_sockets = [listener, conn, *(c for c in children.values() if c)]
+                _become(request, fds, open_sockets, pipe)
+        conn.sendall(_INT.pack(pid))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"onceflow fork server: request failed ({exc})", file=sys.stderr)
+        conn.close()
+        if pid > 0:  # forked, but its starter cannot know: it must not run unseen
+            _forward_to_pid(pid, signal.SIGKILL)
+            children[pid] = None
+        return
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if pid == _REFUSED:  # the starter runs the module itself
+        conn.close()
+    else:
+        conn.settimeout(None)
+        children[pid] = conn
+
+
+def _serves(request: dict) -> bool:
+    """Only requests a child of this server can run exactly as a process of their own."""
+    env = request["env"]
+    settings = {n for n in [*env, *os.environ] if START_UP_SETTINGS.fullmatch(n)}
+    return (
+        request["python"] == sys.executable
+        and request["home"] == os.path.dirname(os.path.abspath(__file__))
+        and request["netns"] == _network_namespace()
+        and all(env.get(n) == os.environ.get(n) for n in settings)
+    )
+
+
+def _report_exits(children: dict[int, socket.socket | None]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(_INT.pack(os.waitstatus_to_exitcode(status)))
+            conn.close()
+
+
+def _forward_to_pid(pid: int, signum: int) -> None:
+    """Only to a child not yet reaped (its pid cannot have been reused)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
+
+
+def _become(request: dict, fds: list[int], sockets: list[socket.socket], pipe: list[int]) -> None:
+    """In the forked child: take the requester's streams, environment, directory, arguments
+    and signal dispositions, then run its module. Never returns into the server's loop."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for fd in pipe:
+            os.close(fd)
+        for sock in sockets:
+            sock.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for signum in SIGNALS:
+            if signum in request["ignored"]:
+                signal.signal(signum, signal.SIG_IGN)
+            elif signum == signal.SIGINT:
+                signal.signal(signum, signal.default_int_handler)
+            else:
+                signal.signal(signum, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        # As for `python -m`: the working directory first, then PYTHONPATH.
+        sys.path[0] = request["cwd"]
+        for entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+            if entry and entry not in sys.path:
+                sys.path.insert(1, entry)
+        # As Spark starts them: unbuffered (PYTHONUNBUFFERED)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+        import runpy
+
+        sys.argv = [request["module"], *request["args"]]
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:  # how Spark's Python processes end
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2])
+    else:
+        run(sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -1,0 +1,24 @@
+"""Run as `-m tests.apps.report_process CODE [wait]`: prints what the process was started
+with as JSON, then (with `wait`) blocks on standard input, and exits with CODE."""
+
+import json
+import os
+import signal
+import sys
+
+if __name__ == "__main__":
+    report = {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "cwd": os.getcwd(),
+        "path0": sys.path[0],
+        "argv": sys.argv[1:],
+        "marker": os.environ.get("REPORT_MARKER"),
+        "hash": hash("onceflow"),
+        "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+        "stdin": "" if sys.argv[2:] == ["wait"] else sys.stdin.read(),
+    }
+    print(json.dumps(report), flush=True)
+    if sys.argv[2:] == ["wait"]:
+        sys.stdin.read()
+    sys.exit(int(sys.argv[1]))
