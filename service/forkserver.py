@@ -30,6 +30,7 @@ import io
 import json
 import os
 import re
+import resource
 import select
 import shlex
 import signal
@@ -76,10 +77,15 @@ def start_server() -> str | None:
         return _server[1]
     import tempfile
 
-    _remove_stale_directories(tempfile.gettempdir())
-    directory = tempfile.mkdtemp(prefix=f"{_DIRECTORY_PREFIX}{os.getpid()}-")
+    try:
+        os.close(os.pidfd_open(os.getpid()))  # Linux 5.3+, and not refused by seccomp
+        _remove_stale_directories(tempfile.gettempdir())
+        directory = tempfile.mkdtemp(prefix=f"{_DIRECTORY_PREFIX}{os.getpid()}-")
+    except (AttributeError, OSError):
+        return None  # Spark starts its Python processes itself, as without the server
     path = os.path.join(directory, "socket")
-    if len(path.encode()) > 100:  # a Unix socket's path must fit in 108 bytes
+    # A Unix socket's path must fit in 108 bytes; the JVM cannot run a launcher on noexec.
+    if len(path.encode()) > 100 or os.statvfs(directory).f_flag & os.ST_NOEXEC:
         os.rmdir(directory)
         return None
     launcher = os.path.join(directory, "python")
@@ -179,7 +185,8 @@ def run(path: str, module: str, args: list[str]) -> None:
         signal.signal(signum, lambda received, _frame: _forward(child, received))
     code = _wait_for(server, child)
     if code < 0:  # the child was killed by a signal: so is this process, as Spark would see it
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code & 0xFF)
 
@@ -202,6 +209,8 @@ def _ask_for_child(server: socket.socket, module: str, args: list[str], ignored:
         "env": dict(os.environ),
         "cwd": os.getcwd(),
         "ignored": [int(s) for s in ignored],
+        "nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
+        "umask": _umask(),
         "python": sys.executable,
         "home": os.path.dirname(os.path.abspath(__file__)),
         "netns": _network_namespace(),
@@ -233,6 +242,12 @@ def _wait_for(server: socket.socket, child: int | None) -> int:
         # The child ended: the server's report follows at once, unless the server is gone.
         if not select.select([server], [], [], 5)[0]:
             return 0
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _forward(child: int | None, signum: int) -> None:
@@ -295,6 +310,7 @@ def serve(path: str) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     # child pid -> the connection of the process Spark started (None once that one died)
     children: dict[int, socket.socket | None] = {}
+    ended = False
     try:
         while True:
             watched = [sys.stdin, listener, exited_r, *(c for c in children.values() if c)]
@@ -303,7 +319,8 @@ def serve(path: str) -> None:
                 os.read(exited_r, 4096)
             _report_exits(children)
             if sys.stdin in ready and not os.read(0, 4096):
-                return  # the driver is gone
+                ended = True  # the driver is gone: so may the launcher be
+                return
             if listener in ready:
                 _start_child(listener, children, [exited_r, exited_w])
             for pid, conn in list(children.items()):
@@ -316,8 +333,10 @@ def serve(path: str) -> None:
         listener.close()
         with contextlib.suppress(OSError):
             os.unlink(path)
-        directory = os.path.dirname(path)  # with the launcher, if start_server made it
-        if os.path.basename(directory).startswith(_DIRECTORY_PREFIX):
+        # With the launcher, if start_server made it; after a failure the launcher stays, and
+        # finds no socket: Spark's Python processes start as without the server.
+        directory = os.path.dirname(path)
+        if ended and os.path.basename(directory).startswith(_DIRECTORY_PREFIX):
             import shutil
 
             shutil.rmtree(directory, ignore_errors=True)
@@ -336,10 +355,17 @@ def _start_child(
             raise ConnectionError("incomplete request")
         request = json.loads(_read_exactly(conn, _HEADER.unpack(header)[0]))
         if _serves(request):
-            pid = os.fork()
+            # Blocked, a signal sent to the child before it takes its dispositions waits
+            # instead of being dropped as the server's ignored ones are.
+            signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+            try:
+                pid = os.fork()
+            except OSError:  # e.g. a cgroup's process limit: the starter runs it itself
+                pid = _REFUSED
             if pid == 0:
                 open_sockets = [listener, conn, *(c for c in children.values() if c)]
                 _become(request, fds, open_sockets, pipe)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
         conn.sendall(_INT.pack(pid))
     except (OSError, ValueError, KeyError) as exc:
         print(f"onceflow fork server: request failed ({exc})", file=sys.stderr)
@@ -412,6 +438,10 @@ def _become(request: dict, fds: list[int], sockets: list[socket.socket], pipe: l
                 signal.signal(signum, signal.default_int_handler)
             else:
                 signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+        os.umask(request["umask"])
+        with contextlib.suppress(ValueError, OSError):  # a higher hard limit needs privilege
+            resource.setrlimit(resource.RLIMIT_NOFILE, tuple(request["nofile"]))
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])

@@ -3,6 +3,7 @@ with as JSON, then (with `wait`) blocks on standard input, and exits with CODE."
 
 import json
 import os
+import resource
 import signal
 import sys
 
@@ -16,6 +17,8 @@ if __name__ == "__main__":
         "marker": os.environ.get("REPORT_MARKER"),
         "hash": hash("onceflow"),
         "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+        "umask": os.umask(0o022),
+        "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
         "stdin": "" if sys.argv[2:] == ["wait"] else sys.stdin.read(),
     }
     print(json.dumps(report), flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -95,6 +96,25 @@ def test_an_ignored_sigint_stays_ignored_in_the_child(server, tmp_path):
     ignoring = report_of(launch(server[1], tmp_path, "0", preexec_fn=ignore_sigint))
     assert ignoring["ppid"] == server[0].pid and ignoring["sigint_ignored"]
     assert not report_of(launch(server[1], tmp_path, "0"))["sigint_ignored"]
+
+
+def test_a_child_has_the_umask_and_open_file_limit_of_its_asker(server, tmp_path):
+    """The JVM raises its soft limit of open files to the hard one; the driver may not."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def as_the_jvm_starts_it() -> None:
+        os.umask(0o077)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 1, hard))
+
+    report = report_of(launch(server[1], tmp_path, "0", preexec_fn=as_the_jvm_starts_it))
+    assert report["ppid"] == server[0].pid
+    assert (report["umask"], report["nofile"]) == (0o077, soft - 1)
+
+
+def test_a_child_killed_by_sigkill_is_reported_as_such(server, tmp_path):
+    launched = launch(server[1], tmp_path, "0", "wait")
+    os.kill(json.loads(launched.stdout.readline())["pid"], signal.SIGKILL)
+    assert launched.wait(30) == -signal.SIGKILL
 
 
 def test_without_a_server_the_module_runs_in_the_launched_process(tmp_path):
