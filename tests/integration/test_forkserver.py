@@ -18,24 +18,15 @@ from pyspark import SparkContext
 from onceflow import forkserver
 from onceflow.spark_session import build_session
 from onceflow.warmup import warm_up
-
-def processes():
-    found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            command = (stat.parent / "cmdline").read_bytes().split(b"\\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        found[int(stat.parent.name)] = (parent, b" ".join(command).decode())
-    return found
+from tests.helpers import processes
 
 spark = build_session("local[2]", "fork-server-test")
 warm_up(spark)  # every kind of daemon a query's first epoch needs but the commit runner's
 jvm, server = SparkContext._gateway.proc.pid, forkserver._server[0].pid
 inherited = [os.environ.get(n) for n in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")]
 seen = processes()
-launched = [c for p, c in seen.values() if p == jvm and "python" in c]
+commands = {pid: (p, b" ".join(c).decode()) for pid, (p, c) in seen.items()}
+launched = [c for p, c in commands.values() if p == jvm and "python" in c]
 forked = [pid for pid, (p, _) in seen.items() if p == server]
 spark.stop()
 deadline = time.monotonic() + 30

@@ -25,19 +25,15 @@ from onceflow import pipeline
 from onceflow.config import load
 from onceflow.spark_session import build_session
 from onceflow.warmup import start_warm_up
+from tests.helpers import processes
 
 def daemons():
     jvm = SparkContext._gateway.proc.pid
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            command = (stat.parent / "cmdline").read_bytes().split(b"\\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == jvm and b"pyspark.daemon" in command:
-            found.append(b" ".join(command[command.index(b"pyspark.daemon"):]).decode())
-    return found
+    return [
+        b" ".join(command[command.index(b"pyspark.daemon"):]).decode()
+        for parent, command in processes().values()
+        if parent == jvm and b"pyspark.daemon" in command
+    ]
 
 config = load(sys.argv[1])
 spark = build_session(config.spark_master, "warm-up-test", config.spark_conf)
