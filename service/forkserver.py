@@ -38,9 +38,9 @@ import socket
 import struct
 import sys
 
-# What Spark's Python processes import, all thread-free: the read planner and the source's
-# runner also import pyarrow, which starts threads, so their children import it themselves.
-# Not the modules Spark runs as `__main__` (pyspark.daemon): runpy executes those anew.
+# What Spark's Python processes import. A fork copies no thread, so the server must start
+# none: these start none. Not the modules Spark runs as `__main__` (pyspark.daemon, the
+# streaming source's runner): runpy executes those anew, and warns when they were imported.
 PRELOAD = (
     "pyspark.serializers",
     "pyspark.worker",
@@ -52,11 +52,29 @@ PRELOAD = (
     "onceflow.connectors.datasource",
     "onceflow.routing",
 )
+# What the read planner, the source's runner and every task's worker import besides: the
+# biggest part of their start. These start threads when imported (OpenBLAS' pool through
+# numpy, Arrow's jemalloc purger) unless told not to, so the server imports them with
+# THREAD_FREE_SETTINGS, and only when the driver's environment sets none of those itself.
+# Its children then run with one OpenBLAS thread and jemalloc purging as it allocates.
+PRELOAD_NUMERIC = (
+    "pyarrow",
+    "pyarrow.compute",
+    "pandas",
+    "pyarrow.pandas_compat",
+    "pyspark.sql.worker.plan_data_source_read",
+    "pyspark.sql.datasource_internal",
+)
+THREAD_FREE_SETTINGS = {
+    "OPENBLAS_NUM_THREADS": "1",
+    "JE_ARROW_MALLOC_CONF": "background_thread:false",
+}
 # Settings a process takes at its start (Python's own) or that preloaded modules read when
 # imported: a request whose value differs from the server's is refused.
 START_UP_SETTINGS = re.compile(
     r"PYTHON(?!PATH$|UNBUFFERED$)[A-Z]+|PYSPARK_ENABLE_NAMEDTUPLE_PATCH|SPARK_TESTING|"
-    r"PY4J_SKIP_COLLECTIONS|TZ|LC_[A-Z]+|LANG"
+    r"PY4J_SKIP_COLLECTIONS|TZ|LC_[A-Z]+|LANG|"
+    r"OPENBLAS_[A-Z_]+|GOTO_NUM_THREADS|JE_ARROW_MALLOC_CONF|ARROW_[A-Z_]+|NPY_[A-Z_]+"
 )
 # Signals the launched process forwards, and the child takes as it did: Spark stops its
 # processes with SIGTERM; the JVM starts them with SIGINT ignored.
@@ -66,6 +84,8 @@ _HEADER = struct.Struct("!Q")
 _INT = struct.Struct("!i")
 _REFUSED = -1
 _HANDSHAKE_TIMEOUT_S = 10.0
+_LOCK = "lock"
+_UNLOCKED_GRACE_S = 60.0  # a directory with no lock yet is younger than this
 _server = None  # this process' server and its launcher, started once
 
 
@@ -81,17 +101,31 @@ def start_server() -> str | None:
         os.close(os.pidfd_open(os.getpid()))  # Linux 5.3+, and not refused by seccomp
         _remove_stale_directories(tempfile.gettempdir())
         directory = tempfile.mkdtemp(prefix=f"{_DIRECTORY_PREFIX}{os.getpid()}-")
+        lock = _lock(directory)
     except (AttributeError, OSError):
         return None  # Spark starts its Python processes itself, as without the server
     path = os.path.join(directory, "socket")
     # A Unix socket's path must fit in 108 bytes; the JVM cannot run a launcher on noexec.
     if len(path.encode()) > 100 or os.statvfs(directory).f_flag & os.ST_NOEXEC:
-        os.rmdir(directory)
+        import shutil
+
+        shutil.rmtree(directory)
+        os.close(lock)
         return None
     launcher = os.path.join(directory, "python")
     _write_launcher(launcher, path)
-    _server = (spawn(path), launcher)
+    _server = (spawn(path), launcher, lock)
     return launcher
+
+
+def _lock(directory: str) -> int:
+    """The lock that keeps `directory` from other drivers' clean-up while this one lives:
+    the kernel drops it when this process ends, however it ends."""
+    import fcntl
+
+    lock = os.open(os.path.join(directory, _LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock
 
 
 def spawn(path: str):
@@ -143,17 +177,32 @@ def _write_launcher(path: str, socket_path: str) -> None:
 
 def _remove_stale_directories(tmp: str) -> None:
     """Directories of servers whose driver was killed (a server removes its own as it ends,
-    which a SIGKILL of the whole process group does not let it do)."""
+    which a SIGKILL of the whole process group does not let it do). A driver holds the lock
+    of its directory's `lock` file while it lives: a lock, not its pid, because a driver in
+    another PID namespace that shares this /tmp has a pid this process cannot see."""
+    import fcntl
     import shutil
+    import time
 
     for name in os.listdir(tmp):
-        owner = name[len(_DIRECTORY_PREFIX) :].split("-", 1)[0]
-        if not (name.startswith(_DIRECTORY_PREFIX) and owner.isdigit()):
-            continue
         directory = os.path.join(tmp, name)
+        if not name.startswith(_DIRECTORY_PREFIX):
+            continue
         with contextlib.suppress(OSError):
-            if os.stat(directory).st_uid == os.getuid() and not _alive(int(owner)):
+            status = os.stat(directory)
+            if status.st_uid != os.getuid():
+                continue
+            try:
+                lock = os.open(os.path.join(directory, _LOCK), os.O_RDONLY)
+            except FileNotFoundError:  # being made (locked within moments), or left so
+                if time.time() - status.st_mtime > _UNLOCKED_GRACE_S:
+                    shutil.rmtree(directory)
+                continue
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while it lives
                 shutil.rmtree(directory)
+            finally:
+                os.close(lock)
 
 
 # -- the launched side: runs in the process Spark starts --------------------------------------
@@ -164,7 +213,7 @@ def run(path: str, module: str, args: list[str]) -> None:
     serves this request, else here."""
     ignored = [s for s in SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
     server = _connect(path)
-    pid = _ask_for_child(server, module, args, ignored) if server else _REFUSED
+    pid, child = _ask_for_child(server, module, args, ignored) if server else (_REFUSED, None)
     if pid == _REFUSED:
         import runpy
 
@@ -172,10 +221,6 @@ def run(path: str, module: str, args: list[str]) -> None:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return
     assert server is not None
-    try:  # not its pid: that may be reused once the child is reaped
-        child: int | None = os.pidfd_open(pid)
-    except ProcessLookupError:  # ended already: its code is on the way
-        child = None
     # The JVM's pipes now belong to the child alone: Spark sees their end when it ends.
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -201,8 +246,10 @@ def _connect(path: str) -> socket.socket | None:
     return sock
 
 
-def _ask_for_child(server: socket.socket, module: str, args: list[str], ignored: list) -> int:
-    """The pid of the server's child that runs `module`, or _REFUSED."""
+def _ask_for_child(
+    server: socket.socket, module: str, args: list[str], ignored: list
+) -> tuple[int, int | None]:
+    """The pid of the server's child that runs `module` and a pidfd of it, or _REFUSED."""
     request = {
         "module": module,
         "args": args,
@@ -220,11 +267,14 @@ def _ask_for_child(server: socket.socket, module: str, args: list[str], ignored:
         socket.send_fds(server, [_HEADER.pack(len(data))], [0, 1, 2])
         server.sendall(data)
     except OSError:  # the server is gone (its driver is going): nothing was forked
-        return _REFUSED
+        return _REFUSED, None
     try:
-        return _INT.unpack(_read_exactly(server, _INT.size))[0]
+        answer, fds, _, _ = socket.recv_fds(server, _INT.size, 1)
+        if len(answer) != _INT.size:
+            raise ConnectionError("the fork server closed the connection")
     except OSError as exc:  # a child may have been forked: running the module here too is
         sys.exit(f"onceflow fork server: no answer ({exc})")  # not safe
+    return _INT.unpack(answer)[0], (fds[0] if fds else None)
 
 
 def _wait_for(server: socket.socket, child: int | None) -> int:
@@ -256,16 +306,6 @@ def _forward(child: int | None, signum: int) -> None:
             signal.pidfd_send_signal(child, signum)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _network_namespace() -> str:
     try:
         return os.readlink("/proc/self/ns/net")
@@ -289,7 +329,6 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes:
 def serve(path: str) -> None:
     """Fork children for whoever connects to `path` until standard input closes."""
     import gc
-    import importlib
 
     # Its life is its driver's (standard input): a Ctrl-C or a SIGTERM to the process group
     # is for the driver, which stops the query first.
@@ -298,11 +337,20 @@ def serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)  # before importing: an early request waits instead of going alone
     listener.listen(64)
-    for module in PRELOAD:
-        try:
-            importlib.import_module(module)
-        except Exception as exc:  # the child imports it again and reports what is wrong
-            print(f"onceflow fork server: could not preload {module}: {exc}", file=sys.stderr)
+    _preload(PRELOAD)
+    if not any(name in os.environ for name in THREAD_FREE_SETTINGS):
+        driver_environment = dict(os.environ)
+        os.environ.update(THREAD_FREE_SETTINGS)
+        _preload(PRELOAD_NUMERIC)
+        os.environ.clear()  # what the children compare their start-up settings with
+        os.environ.update(driver_environment)
+    if _threads() != 1:
+        print(
+            "onceflow fork server: a preloaded module started a thread, so no process is "
+            "forked (Spark starts them itself, more slowly). Please report this with "
+            "`pip freeze`.",
+            file=sys.stderr,
+        )
     gc.freeze()  # what was imported stays shared with the children instead of being copied
     exited_r, exited_w = os.pipe()  # a child's exit wakes the loop at once
     os.set_blocking(exited_w, False)
@@ -342,6 +390,20 @@ def serve(path: str) -> None:
             shutil.rmtree(directory, ignore_errors=True)
 
 
+def _preload(modules: tuple[str, ...]) -> None:
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # the child imports it again and reports what is wrong
+            print(f"onceflow fork server: could not preload {module}: {exc}", file=sys.stderr)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
 def _start_child(
     listener: socket.socket, children: dict[int, socket.socket | None], pipe: list[int]
 ) -> None:
@@ -366,7 +428,7 @@ def _start_child(
                 open_sockets = [listener, conn, *(c for c in children.values() if c)]
                 _become(request, fds, open_sockets, pipe)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-        conn.sendall(_INT.pack(pid))
+        _answer(conn, pid)
     except (OSError, ValueError, KeyError) as exc:
         print(f"onceflow fork server: request failed ({exc})", file=sys.stderr)
         conn.close()
@@ -384,12 +446,27 @@ def _start_child(
         children[pid] = conn
 
 
+def _answer(conn: socket.socket, pid: int) -> None:
+    """The child's pid, with a pidfd of it that the asker signals it through: opened here,
+    before the child can be reaped, so it never stands for a process that took over the pid
+    (as one the asker opened after reading the pid could)."""
+    if pid == _REFUSED:
+        conn.sendall(_INT.pack(pid))
+        return
+    pidfd = os.pidfd_open(pid)
+    try:
+        socket.send_fds(conn, [_INT.pack(pid)], [pidfd])
+    finally:
+        os.close(pidfd)
+
+
 def _serves(request: dict) -> bool:
     """Only requests a child of this server can run exactly as a process of their own."""
     env = request["env"]
     settings = {n for n in [*env, *os.environ] if START_UP_SETTINGS.fullmatch(n)}
     return (
-        request["python"] == sys.executable
+        _threads() == 1  # a fork copies no thread: whatever one held would stay held
+        and request["python"] == sys.executable
         and request["home"] == os.path.dirname(os.path.abspath(__file__))
         and request["netns"] == _network_namespace()
         and all(env.get(n) == os.environ.get(n) for n in settings)
@@ -450,10 +527,19 @@ def _become(request: dict, fds: list[int], sockets: list[socket.socket], pipe: l
         for entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
             if entry and entry not in sys.path:
                 sys.path.insert(1, entry)
-        # As Spark starts them: unbuffered (PYTHONUNBUFFERED)
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+        # As Spark starts them: unbuffered (PYTHONUNBUFFERED), and encoded as the server's
+        # streams, which took the same start-up settings (PYTHONIOENCODING, the locale).
+        encoding, errors = sys.stdin.encoding, sys.stdin.errors
+        sys.stdin = open(0, encoding=encoding, errors=errors, closefd=False)  # noqa: SIM115
+        sys.stdout, sys.stderr = [
+            io.TextIOWrapper(
+                io.FileIO(fd, "w", closefd=False),
+                encoding=stream.encoding,
+                errors=stream.errors,
+                write_through=True,
+            )
+            for fd, stream in ((1, sys.stdout), (2, sys.stderr))
+        ]
         import runpy
 
         sys.argv = [request["module"], *request["args"]]

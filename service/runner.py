@@ -237,14 +237,19 @@ PYTHON_TRACEBACK = "Traceback (most recent call last):"
 
 
 def _raised_by_python(lines: list[str]) -> str | None:
-    """The line naming the exception at the end of a Python traceback (frames are indented;
-    the JVM's own stack, after it, starts with a tab or 'Caused by')."""
-    raised = None
+    """The line naming the exception at the end of a Python traceback: the first unindented
+    line after the last block of (indented) frames. Lines after it are more of its message
+    or its notes; the JVM's own stack, after it all, starts with a tab or 'Caused by'."""
+    raised, after_frames = None, True  # the first block's header ended the line before
     for line in lines:
         if line.startswith(("\tat ", "Caused by:")):
             break
-        if not line[0].isspace() and not line.startswith(
-            (PYTHON_TRACEBACK, "During handling of", "The above exception")
+        if line.startswith(PYTHON_TRACEBACK):  # a chained exception's block
+            after_frames = True
+        elif (
+            after_frames
+            and not line[0].isspace()
+            and not line.startswith(("During handling of", "The above exception"))
         ):
-            raised = line
+            raised, after_frames = line, False
     return raised

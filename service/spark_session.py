@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Mapping
 
 from . import forkserver
@@ -63,6 +66,9 @@ def build_session(
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in {**settings, **(conf or {})}.items():
         builder = builder.config(key, value)
+    # pyspark's Py4J converters import pandas and pyarrow (`pyspark.testing.utils`) at the
+    # first call into the JVM: imported while the JVM starts, they are there by then.
+    _import_in_background("pyarrow", "pandas")
     with forkserver.spark_python(launcher):
         spark = builder.getOrCreate()
     if "spark.sql.shuffle.partitions" not in (conf or {}):
@@ -71,6 +77,16 @@ def build_session(
     quiet_spark_logs(spark)
     register_data_source(spark)
     return spark
+
+
+def _import_in_background(*modules: str) -> None:
+    def import_them() -> None:
+        for module in modules:
+            with contextlib.suppress(Exception):  # then pyspark finds it missing, as before
+                importlib.import_module(module)
+
+    if not all(module in sys.modules for module in modules):
+        threading.Thread(target=import_them, name="onceflow-imports", daemon=True).start()
 
 
 def state_partitions(master: str, cores: int) -> int:

@@ -8,7 +8,10 @@ import signal
 import sys
 
 if __name__ == "__main__":
+    preloaded = sorted(m for m in ("pyarrow", "pandas") if m in sys.modules)
     report = {
+        "preloaded": preloaded,
+        "encodings": [(s.encoding, s.errors) for s in (sys.stdin, sys.stdout, sys.stderr)],
         "pid": os.getpid(),
         "ppid": os.getppid(),
         "cwd": os.getcwd(),

@@ -324,9 +324,9 @@ def test_a_crash_loop_commits_an_epoch_every_round(app):
     or an impatient liveness probe does): every round still commits an epoch, and the
     output is exactly once."""
     rounds = 10 if app.long else 2
-    # Small epochs: the backlog outlasts every round (a round runs ~15 of them), so a round
+    # Small epochs: the backlog outlasts every round (a round runs ~20 of them), so a round
     # without a commit is the service's fault, never a lack of input.
-    per_batch = len(app.events) // (rounds * 20)
+    per_batch = len(app.events) // (rounds * 50)
     pipeline = app.pipeline(windowed=True, source={"max_records_per_batch": per_batch})
     commits = app.tmp / "checkpoint" / "commits"
     per_round = []
@@ -342,8 +342,20 @@ def test_a_crash_loop_commits_an_epoch_every_round(app):
         f"{per_round}"
     )
     assert all(n >= 1 for n in per_round), per_round
+    # A round that ended the backlog would leave the drain nothing to run: after a restart
+    # Spark does not run the epoch that only moves the watermark (see README).
+    assert _records_read(app.tmp / "checkpoint") <= len(app.events), "make per_batch smaller"
     app.drain(pipeline)
     app.check_windows()
+
+
+def _records_read(checkpoint: Path) -> int:
+    """Input records up to the end of the newest epoch in Spark's offset log."""
+    newest = max(checkpoint.glob("offsets/[0-9]*"), key=lambda p: int(p.name))
+    ranges = json.loads(newest.read_text().splitlines()[-1])
+    return sum(
+        end for topic, ends in ranges.items() if not topic.startswith("@") for end in ends.values()
+    )
 
 
 def _committed(commits: Path) -> int:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,81 @@ def test_a_launched_module_runs_in_a_child_of_the_server_as_if_started_directly(
         "input from the launcher",
     )
     assert launched.returncode == 3
+
+
+def test_a_child_starts_with_pyarrow_and_pandas_from_a_server_without_threads(server, tmp_path):
+    """A task's worker would import them itself, its longest step; a thread in the server
+    would make every fork unsafe."""
+    process, path = server
+    assert report_of(launch(path, tmp_path, "0"))["preloaded"] == ["pandas", "pyarrow"]
+    assert len(os.listdir(f"/proc/{process.pid}/task")) == 1
+
+
+def test_a_driver_that_sets_a_thread_setting_has_children_import_pyarrow_themselves(
+    monkeypatch, tmp_path
+):
+    """The server cannot keep the user's OpenBLAS threads out of a fork: it leaves those
+    modules to the children, which take the setting as Spark's processes would."""
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    path = os.path.join(tempfile.mkdtemp(prefix="forkserver-test-"), "socket")
+    process = forkserver.spawn(path)
+    try:
+        wait_until(lambda: os.path.exists(path), 30, "the server's socket")
+        report = report_of(launch(path, tmp_path, "0"))
+        assert (report["ppid"], report["preloaded"]) == (process.pid, [])
+    finally:
+        process.stdin.close()
+        process.wait(30)
+
+
+def test_a_childs_streams_take_pythonioencoding_as_a_started_process_would(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTHONIOENCODING", "latin-1:replace")
+    path = os.path.join(tempfile.mkdtemp(prefix="forkserver-test-"), "socket")
+    process = forkserver.spawn(path)
+    try:
+        wait_until(lambda: os.path.exists(path), 30, "the server's socket")
+        report = report_of(launch(path, tmp_path, "0"))
+        assert report["ppid"] == process.pid
+        assert report["encodings"] == [
+            ["iso8859-1", "replace"],
+            ["iso8859-1", "replace"],
+            ["iso8859-1", "backslashreplace"],  # Python's for stderr, whatever the setting
+        ]
+    finally:
+        process.stdin.close()
+        process.wait(30)
+
+
+ASKER = """
+import os, sys
+from onceflow import forkserver
+server = forkserver._connect(sys.argv[1])
+pid, pidfd = forkserver._ask_for_child(server, "tests.apps.report_process", ["0"], [])
+fdinfo = dict(line.split(":", 1) for line in open(f"/proc/self/fdinfo/{pidfd}") if ":" in line)
+print("ASKER", pid, fdinfo["Pid"].strip(), flush=True)
+forkserver._wait_for(server, pidfd)
+"""
+
+
+def test_the_asker_gets_a_pidfd_of_its_child_from_the_server(server, tmp_path):
+    """Opened by the server before it can reap the child: a pidfd the asker opened from the
+    pid could be of another process by then, which a forwarded SIGTERM would then stop."""
+    _, path = server
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", ASKER, path],
+        env=env,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    asker = [line.split() for line in done.stdout.splitlines() if line.startswith("ASKER")]
+    assert asker, done.stderr[-2000:]
+    _, pid, pidfd_of = asker[0]
+    report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    assert pid == pidfd_of == str(report["pid"])
 
 
 def test_a_child_hashes_as_a_process_started_with_sparks_hash_seed(server, tmp_path):
@@ -128,8 +204,8 @@ def test_a_server_refuses_another_installation_whose_modules_may_differ(server, 
     connection = forkserver._connect(server[1])
     assert connection is not None
     with connection:
-        pid = forkserver._ask_for_child(connection, "tests.apps.report_process", ["0"], [])
-    assert pid == forkserver._REFUSED  # and the launched process runs the module itself
+        answer = forkserver._ask_for_child(connection, "tests.apps.report_process", ["0"], [])
+    assert answer == (forkserver._REFUSED, None)  # and the launched process runs it itself
 
 
 def test_sigterm_to_the_launched_process_ends_its_child_as_spark_stops_a_daemon(server, tmp_path):
@@ -180,13 +256,44 @@ def test_a_server_started_for_a_driver_removes_its_directory_as_it_ends():
     assert not os.path.exists(directory)
 
 
-def test_directories_of_killed_drivers_are_removed(tmp_path):
+def test_directories_of_killed_drivers_are_removed_and_no_other(tmp_path):
+    """A driver's lock says whether it lives; its pid cannot in another PID namespace."""
     ended = subprocess.Popen(["true"])
     ended.wait()
-    stale = tmp_path / f"onceflow-forkserver-{ended.pid}-abc"
-    live = tmp_path / f"onceflow-forkserver-{os.getpid()}-abc"
-    for directory in (stale, live):
+    killed, elsewhere, making, abandoned = (
+        tmp_path / f"onceflow-forkserver-{ended.pid}-{tag}"
+        for tag in ("killed", "elsewhere", "making", "abandoned")
+    )
+    for directory in (killed, elsewhere, making, abandoned):
         directory.mkdir()
         (directory / "python").write_text("")
-    forkserver._remove_stale_directories(str(tmp_path))
-    assert not stale.exists() and live.exists()
+    (killed / "lock").write_text("")  # its driver's lock went with the driver
+    held = forkserver._lock(str(elsewhere))  # a live driver whose pid this one cannot see
+    long_ago = time.time() - 2 * forkserver._UNLOCKED_GRACE_S
+    os.utime(abandoned, (long_ago, long_ago))  # killed between making it and locking it
+    try:
+        forkserver._remove_stale_directories(str(tmp_path))
+    finally:
+        os.close(held)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([elsewhere.name, making.name])
+
+
+def test_a_started_server_locks_its_directory_while_its_driver_lives(monkeypatch):
+    tmp = tempfile.mkdtemp(prefix="fs-")  # short: the socket's path must fit
+    script = "from onceflow import forkserver\nprint(forkserver.start_server(), flush=True)\n"
+    monkeypatch.setenv("TMPDIR", tmp)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", script + "input()\n"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    launcher = driver.stdout.readline().strip()
+    assert launcher.startswith(tmp), launcher
+    forkserver._remove_stale_directories(tmp)
+    assert os.path.exists(launcher)
+    os.killpg(driver.pid, signal.SIGKILL)  # the driver and its server: neither cleans up
+    driver.wait(30)
+    forkserver._remove_stale_directories(tmp)
+    assert os.listdir(tmp) == []

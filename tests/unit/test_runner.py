@@ -47,3 +47,23 @@ def test_a_python_workers_error_is_named_by_the_line_that_raised_it_not_tracebac
         "[PYTHON_STREAMING_DATA_SOURCE_RUNTIME_ERROR] Failed when Python streaming data "
         "source perform latestOffset: KeyError: ('in', 0) SQLSTATE: 38000"
     )
+
+
+def test_a_python_error_with_a_message_of_several_lines_or_notes_is_named_by_its_first():
+    text = (
+        "[PYTHON_DATA_SOURCE_ERROR] Failed: Traceback (most recent call last):\n"
+        '  File "/x/a.py", line 3, in f\n'
+        "    raise KeyError('x')\n"
+        "KeyError: 'x'\n"
+        "\n"
+        "During handling of the above exception, another exception occurred:\n"
+        "\n"
+        "Traceback (most recent call last):\n"
+        '  File "/x/a.py", line 5, in f\n'
+        "    raise ValueError('bad offset\\nfor partition 0')\n"
+        "ValueError: bad offset\n"
+        "for partition 0\n"
+        "a note added to it\n"
+        "\tat org.apache.spark.api.python.X(X.scala:1)"
+    )
+    assert str(failure(text)) == "[PYTHON_DATA_SOURCE_ERROR] Failed: ValueError: bad offset"
