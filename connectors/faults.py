@@ -1,12 +1,14 @@
 """Named fault points, so that fault tests can crash the service at exact protocol steps.
 
 `ONCEFLOW_FAULT=<point>` or `<point>@<batch id>` kills the whole service with SIGKILL when
-that point is reached (in that batch), as `kill -9` would. Two points make the Kafka
-commit fail instead, once per process, as a broker can: `commit_abortable` (refused before
-it commits) and `commit_outcome_unknown` (committed, then reported as timed out). Unset
-(always, in production) a point costs one environment lookup. The service records its
-process group in ONCEFLOW_SERVICE_PGID at start; Spark's Python workers run in a process
-group of their own, so both groups are killed.
+that point is reached (in that batch), as `kill -9` would. `hold:<point>@<batch id>` instead
+creates the file ONCEFLOW_FAULT_HOLD_FILE there and waits until the test removes it, once per
+process: a test breaks something outside (kills a broker) at that exact step. Two points
+make the Kafka commit fail instead, once per process, as a broker can: `commit_abortable`
+(refused before it commits) and `commit_outcome_unknown` (committed, then reported as timed
+out). Unset (always, in production) a point costs one environment lookup. The service
+records its process group in ONCEFLOW_SERVICE_PGID at start; Spark's Python workers run in a
+process group of their own, so both groups are killed.
 """
 
 from __future__ import annotations
@@ -32,16 +34,34 @@ COMMIT_FAILURES = ("commit_abortable", "commit_outcome_unknown")
 _failed_commits: set[str] = set()
 
 
+_held: set[str] = set()
+
+
 def point(name: str, batch_id: int | None = None) -> None:
     wanted = os.environ.get("ONCEFLOW_FAULT")
     if not wanted:
         return
-    wanted_name, _, wanted_batch = wanted.partition("@")
+    hold = wanted.startswith("hold:")
+    wanted_name, _, wanted_batch = wanted.removeprefix("hold:").partition("@")
     if wanted_name != name:
         return
     if wanted_batch and str(_current_batch() if batch_id is None else batch_id) != wanted_batch:
         return
-    _kill_service()
+    if hold:
+        _hold(wanted)
+    else:
+        _kill_service()
+
+
+def _hold(wanted: str) -> None:
+    if wanted in _held:
+        return
+    _held.add(wanted)
+    held = os.environ["ONCEFLOW_FAULT_HOLD_FILE"]
+    with open(held, "w"):
+        pass
+    while os.path.exists(held):
+        time.sleep(0.01)
 
 
 def commit_failure(name: str, batch_id: int) -> None:

@@ -78,9 +78,30 @@ def _key(conf: dict[str, str], *extra: object) -> tuple:
 NO_ANSWER = (KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN)
 
 
+# Answers of a cluster in motion (a broker restarting, leaders and coordinators moving), which
+# Kafka's own clients retry (its RetriableException family); librdkafka does not always mark
+# them retriable when an admin request returns them.
+CLUSTER_IN_MOTION = (
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.FENCED_LEADER_EPOCH,
+    KafkaError.UNKNOWN_LEADER_EPOCH,
+    KafkaError.OFFSET_NOT_AVAILABLE,
+    KafkaError.REPLICA_NOT_AVAILABLE,
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.KAFKA_STORAGE_ERROR,
+    KafkaError.NOT_ENOUGH_REPLICAS,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NETWORK_EXCEPTION,
+)
+
+
 def _retriable(exc: BaseException) -> bool:
     if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
-        return exc.args[0].retriable() or exc.args[0].code() in NO_ANSWER
+        error = exc.args[0]
+        return error.retriable() or error.code() in (*NO_ANSWER, *CLUSTER_IN_MOTION)
     return False
 
 
@@ -323,10 +344,18 @@ def topic_metadata(conf: dict[str, str], topic: str):
 
 @kafka_request
 def topic_config(conf: dict[str, str], topic: str) -> dict[str, str]:
-    """A topic's effective configuration (its own settings over the broker's defaults)."""
+    """The effective configuration (its own settings over the broker's defaults) of a topic
+    that exists. In a cluster, a broker that has not heard of a topic created a moment ago
+    answers UNKNOWN_TOPIC_OR_PART: retried like a broker that did not answer."""
     resource = ConfigResource(ResourceType.TOPIC, topic)
     future = admin(conf).describe_configs([resource], request_timeout=REQUEST_TIMEOUT_S)[resource]
-    return {name: entry.value for name, entry in future.result().items()}
+    try:
+        return {name: entry.value for name, entry in future.result().items()}
+    except KafkaException as exc:
+        error = exc.args[0]
+        if error.code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+            raise
+        raise KafkaException(KafkaError(error.code(), error.str(), retriable=True)) from exc
 
 
 @kafka_request

@@ -20,6 +20,7 @@ from onceflow.connectors.errors import EXIT_BAD_CONFIG, EXIT_FAILURE, OnceflowEr
 
 from . import config as pipeline_config
 from . import logs
+from .local_cluster import LocalCluster
 from .local_kafka import LocalKafka, LocalKafkaError
 from .secure_listener import SecureListenerError
 
@@ -31,16 +32,36 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 def _kafka(args: argparse.Namespace) -> int:
     broker = dataclasses.replace(LocalKafka.from_env(), sasl_ssl=args.sasl_ssl)
+    cluster = LocalCluster.of(broker.home, broker.port, args.nodes) if args.nodes else None
+    if cluster is None and (args.node or (broker.pid() is None and _cluster_here(broker))):
+        cluster = LocalCluster.of(broker.home, broker.port)
+    if cluster is not None and args.sasl_ssl:
+        raise LocalKafkaError("--sasl-ssl is for the single local broker, not a cluster")
+    if args.action in ("kill", "pause", "resume") and cluster is not None and not args.node:
+        raise LocalKafkaError(f"`kafka {args.action}` needs --node K: which node of the cluster")
+    target = cluster.node(args.node) if cluster is not None and args.node else cluster or broker
     if args.action == "start":
-        broker.start()
+        if isinstance(target, LocalKafka) and cluster is not None:
+            cluster.start_node(target.node_id)
+        else:
+            target.start()
     elif args.action == "stop":
-        if not broker.stop():
+        if not target.stop():
             print("Kafka is not running")
+    elif args.action == "kill":
+        target.kill()
+    elif args.action in ("pause", "resume"):
+        target.pause(args.action == "pause")
     else:
-        state = broker.status()
+        state = target.status()
         print(state)
-        return EXIT_OK if state.startswith("running") else EXIT_BROKER_NOT_RUNNING
+        running = all(line.split(": ", 1)[-1].startswith("running") for line in state.splitlines())
+        return EXIT_OK if running else EXIT_BROKER_NOT_RUNNING
     return EXIT_OK
+
+
+def _cluster_here(broker: LocalKafka) -> bool:
+    return LocalCluster(broker.home, broker.port).exists()
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -135,11 +156,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_demo)
 
     kafka = commands.add_parser(
-        "kafka", help="a local single-node Apache Kafka broker (jars from Maven Central)"
+        "kafka",
+        help="a local Apache Kafka broker, or a cluster with --nodes (jars from Maven Central)",
     )
     kafka.add_argument(
-        "action", choices=["start", "stop", "status"], help="status exits 0 running, 3 not"
+        "action",
+        choices=["start", "stop", "status", "kill", "pause", "resume"],
+        help="status exits 0 when every node runs, 3 if not; kill (SIGKILL), pause (SIGSTOP: "
+        "a hung broker) and resume (SIGCONT) are for fault tests",
     )
+    kafka.add_argument(
+        "--nodes",
+        type=int,
+        help="a cluster of this many nodes on consecutive ports from ONCEFLOW_KAFKA_PORT "
+        "(default 9092), three replicas per topic, min ISR 2; stop and status find it alone",
+    )
+    kafka.add_argument("--node", type=int, help="only this node (1, 2, ...) of the cluster")
     kafka.add_argument(
         "--sasl-ssl",
         action="store_true",

@@ -65,6 +65,8 @@ PRELOAD_NUMERIC = (
     "pyspark.sql.worker.plan_data_source_read",
     "pyspark.sql.datasource_internal",
 )
+# Also left to the children when the driver sets one of these (OpenBLAS reads them too).
+BLAS_THREAD_SETTINGS = ("GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 THREAD_FREE_SETTINGS = {
     "OPENBLAS_NUM_THREADS": "1",
     "JE_ARROW_MALLOC_CONF": "background_thread:false",
@@ -74,7 +76,8 @@ THREAD_FREE_SETTINGS = {
 START_UP_SETTINGS = re.compile(
     r"PYTHON(?!PATH$|UNBUFFERED$)[A-Z]+|PYSPARK_ENABLE_NAMEDTUPLE_PATCH|SPARK_TESTING|"
     r"PY4J_SKIP_COLLECTIONS|TZ|LC_[A-Z]+|LANG|"
-    r"OPENBLAS_[A-Z_]+|GOTO_NUM_THREADS|JE_ARROW_MALLOC_CONF|ARROW_[A-Z_]+|NPY_[A-Z_]+"
+    r"OPENBLAS_[A-Z_]+|GOTO_NUM_THREADS|JE_ARROW_MALLOC_CONF|ARROW_[A-Z_]+|NPY_[A-Z_]+|"
+    r"NUMPY_[A-Z_]+|PANDAS_[A-Z_]+"
 )
 # Signals the launched process forwards, and the child takes as it did: Spark stops its
 # processes with SIGTERM; the JVM starts them with SIGINT ignored.
@@ -84,8 +87,7 @@ _HEADER = struct.Struct("!Q")
 _INT = struct.Struct("!i")
 _REFUSED = -1
 _HANDSHAKE_TIMEOUT_S = 10.0
-_LOCK = "lock"
-_UNLOCKED_GRACE_S = 60.0  # a directory with no lock yet is younger than this
+_UNLOCKED_GRACE_S = 60.0  # a directory not locked yet is younger than this
 _server = None  # this process' server and its launcher, started once
 
 
@@ -119,11 +121,12 @@ def start_server() -> str | None:
 
 
 def _lock(directory: str) -> int:
-    """The lock that keeps `directory` from other drivers' clean-up while this one lives:
-    the kernel drops it when this process ends, however it ends."""
+    """The lock that keeps `directory` from other drivers' clean-up while this one lives
+    (on the directory itself: no file in it that /tmp's cleaners could remove); the kernel
+    drops it when this process ends, however it ends."""
     import fcntl
 
-    lock = os.open(os.path.join(directory, _LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    lock = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     fcntl.flock(lock, fcntl.LOCK_EX)
     return lock
 
@@ -177,32 +180,41 @@ def _write_launcher(path: str, socket_path: str) -> None:
 
 def _remove_stale_directories(tmp: str) -> None:
     """Directories of servers whose driver was killed (a server removes its own as it ends,
-    which a SIGKILL of the whole process group does not let it do). A driver holds the lock
-    of its directory's `lock` file while it lives: a lock, not its pid, because a driver in
-    another PID namespace that shares this /tmp has a pid this process cannot see."""
+    which a SIGKILL of the whole process group does not let it do). A driver holds a lock on
+    its directory while it lives: a lock, not its pid, because a driver in another PID
+    namespace that shares this /tmp has a pid this process cannot see. Spared: directories
+    younger than a minute (being made, not locked yet) and unlocked ones whose pid lives
+    here (made by an onceflow before the lock)."""
     import fcntl
     import shutil
     import time
 
     for name in os.listdir(tmp):
-        directory = os.path.join(tmp, name)
-        if not name.startswith(_DIRECTORY_PREFIX):
+        owner = name[len(_DIRECTORY_PREFIX) :].split("-", 1)[0]
+        if not (name.startswith(_DIRECTORY_PREFIX) and owner.isdigit()):
             continue
+        directory = os.path.join(tmp, name)
         with contextlib.suppress(OSError):
             status = os.stat(directory)
-            if status.st_uid != os.getuid():
+            if status.st_uid != os.getuid() or time.time() - status.st_mtime < _UNLOCKED_GRACE_S:
                 continue
+            lock = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                lock = os.open(os.path.join(directory, _LOCK), os.O_RDONLY)
-            except FileNotFoundError:  # being made (locked within moments), or left so
-                if time.time() - status.st_mtime > _UNLOCKED_GRACE_S:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its driver lives
+                if not _alive(int(owner)):
                     shutil.rmtree(directory)
-                continue
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while it lives
-                shutil.rmtree(directory)
             finally:
                 os.close(lock)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # -- the launched side: runs in the process Spark starts --------------------------------------
@@ -338,7 +350,7 @@ def serve(path: str) -> None:
     listener.bind(path)  # before importing: an early request waits instead of going alone
     listener.listen(64)
     _preload(PRELOAD)
-    if not any(name in os.environ for name in THREAD_FREE_SETTINGS):
+    if not any(name in os.environ for name in [*THREAD_FREE_SETTINGS, *BLAS_THREAD_SETTINGS]):
         driver_environment = dict(os.environ)
         os.environ.update(THREAD_FREE_SETTINGS)
         _preload(PRELOAD_NUMERIC)
@@ -401,7 +413,11 @@ def _preload(modules: tuple[str, ...]) -> None:
 
 
 def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """This process' threads; -1 when /proc cannot tell (then nothing is forked)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1
 
 
 def _start_child(
@@ -450,10 +466,13 @@ def _answer(conn: socket.socket, pid: int) -> None:
     """The child's pid, with a pidfd of it that the asker signals it through: opened here,
     before the child can be reaped, so it never stands for a process that took over the pid
     (as one the asker opened after reading the pid could)."""
-    if pid == _REFUSED:
+    try:
+        pidfd = os.pidfd_open(pid) if pid != _REFUSED else None
+    except OSError:  # e.g. out of descriptors: the asker then cannot forward signals
+        pidfd = None
+    if pidfd is None:
         conn.sendall(_INT.pack(pid))
         return
-    pidfd = os.pidfd_open(pid)
     try:
         socket.send_fds(conn, [_INT.pack(pid)], [pidfd])
     finally:
@@ -529,17 +548,25 @@ def _become(request: dict, fds: list[int], sockets: list[socket.socket], pipe: l
                 sys.path.insert(1, entry)
         # As Spark starts them: unbuffered (PYTHONUNBUFFERED), and encoded as the server's
         # streams, which took the same start-up settings (PYTHONIOENCODING, the locale).
-        encoding, errors = sys.stdin.encoding, sys.stdin.errors
+        encodings = [
+            (getattr(stream, "encoding", None), getattr(stream, "errors", None))
+            for stream in (sys.stdin, sys.stdout, sys.stderr)  # None: the server's fd was closed
+        ]
+        encoding, errors = encodings[0]
         sys.stdin = open(0, encoding=encoding, errors=errors, closefd=False)  # noqa: SIM115
         sys.stdout, sys.stderr = [
             io.TextIOWrapper(
                 io.FileIO(fd, "w", closefd=False),
-                encoding=stream.encoding,
-                errors=stream.errors,
+                encoding=encoding,
+                errors=errors,
                 write_through=True,
             )
-            for fd, stream in ((1, sys.stdout), (2, sys.stderr))
+            for fd, (encoding, errors) in ((1, encodings[1]), (2, encodings[2]))
         ]
+        # numpy's global random state was seeded once, in the server: each child its own,
+        # as each process Spark starts has (Python's `random` reseeds itself on fork).
+        if "numpy.random" in sys.modules:
+            sys.modules["numpy.random"].seed()
         import runpy
 
         sys.argv = [request["module"], *request["args"]]

@@ -1,9 +1,10 @@
-"""A real, single-node Apache Kafka broker for the demo, the tests and local development.
+"""A real Apache Kafka broker for the demo, the tests and local development.
 
 The broker jars come from Maven Central (fetched once with `mvn` into a cache directory) and
 run with the machine's `java`: one combined broker+controller node in KRaft mode on
-127.0.0.1, configured so that transactions work on a single node. With `sasl_ssl` it also
-listens for SASL_SSL clients on its port + 3 (see secure_listener).
+127.0.0.1, configured so that transactions work on a single node, or one node of a local
+cluster (local_cluster.py). With `sasl_ssl` it also listens for SASL_SSL clients on its
+port + 3 (see secure_listener).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ LOG4J_VERSION = "2.24.3"
 SLF4J_VERSION = "2.0.17"
 
 DEFAULT_PORT = 9092
+# A cluster's nodes listen for clients on consecutive ports, their controllers 10 above.
+CLUSTER_CONTROLLER_OFFSET = 10
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 30.0
 
@@ -98,11 +101,15 @@ class LocalKafkaError(RuntimeError):
 
 @dataclass(frozen=True)
 class LocalKafka:
-    """Where the local broker keeps its jars, data, pid and log, and which ports it uses."""
+    """Where the local broker keeps its jars, data, pid and log, and which ports it uses.
+    Alone by default; a node of a local cluster (local_cluster.py) when `cluster_ports`
+    lists the broker ports of all its nodes."""
 
     home: Path
     port: int = DEFAULT_PORT
     sasl_ssl: bool = False
+    node_id: int = 1
+    cluster_ports: tuple[int, ...] = ()
 
     @classmethod
     def from_env(cls) -> LocalKafka:
@@ -126,7 +133,18 @@ class LocalKafka:
 
     @property
     def run_dir(self) -> Path:
+        if self.cluster_ports:
+            return self.home / f"cluster-{self.cluster_ports[0]}" / f"node-{self.node_id}"
         return self.home / f"broker-{self.port}"
+
+    @property
+    def controller_port(self) -> int:
+        return self.port + (CLUSTER_CONTROLLER_OFFSET if self.cluster_ports else 1)
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of internal and new topics: 3 in a cluster of 3 or more (min ISR 2)."""
+        return min(3, max(1, len(self.cluster_ports)))
 
     @property
     def pid_file(self) -> Path:
@@ -202,6 +220,25 @@ class LocalKafka:
 
     def start(self, progress: Callable[[str], None] = print) -> str:
         """Start the broker, or reuse the one already running; returns the bootstrap address."""
+        t0 = time.monotonic()
+        pid, started = self.launch(progress)
+        self._wait_ready(pid, progress)
+        if not started:
+            progress(f"Kafka is already running at {self.bootstrap} (pid {pid})")
+            if self.sasl_ssl:
+                self.secure_listener.describe(progress)
+            return self.bootstrap
+        if self.sasl_ssl:
+            self.secure_listener.create_user(self.bootstrap, progress)
+        progress(f"Kafka is ready at {self.bootstrap} after {time.monotonic() - t0:.1f}s")
+        return self.bootstrap
+
+    def launch(
+        self, progress: Callable[[str], None] = print, cluster_id: str | None = None
+    ) -> tuple[int, bool]:
+        """Start the broker's process without waiting for it (a cluster's nodes answer only
+        once a majority of them runs); its pid, and whether it was started here. A new data
+        directory is formatted for `cluster_id` (a new id if None)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with self._lock():
             pid = self.pid()
@@ -212,11 +249,7 @@ class LocalKafka:
                         "the SASL_SSL listener; `onceflow kafka stop`, then start it again "
                         "with --sasl-ssl"
                     )
-                self._wait_ready(pid, progress)
-                progress(f"Kafka is already running at {self.bootstrap} (pid {pid})")
-                if self.sasl_ssl:
-                    self.secure_listener.describe(progress)
-                return self.bootstrap
+                return pid, False
             if _port_open(self.port):
                 raise LocalKafkaError(
                     f"port {self.port} is in use by a process that is not onceflow's broker. "
@@ -228,8 +261,7 @@ class LocalKafka:
             self.fetch_jars(progress)
             config = self._write_config()
             if not (self.data_dir / "meta.properties").exists():
-                self._format(java, config)
-            t0 = time.monotonic()
+                self._format(java, config, cluster_id or new_cluster_id())
             progress(f"Starting Apache Kafka {KAFKA_VERSION} on {self.bootstrap} ...")
             with open(self.log_file, "ab") as log:
                 proc = subprocess.Popen(
@@ -240,11 +272,7 @@ class LocalKafka:
                     start_new_session=True,
                 )
             self.pid_file.write_text(str(proc.pid))
-            self._wait_ready(proc.pid, progress)
-            if self.sasl_ssl:
-                self.secure_listener.create_user(self.bootstrap, progress)
-            progress(f"Kafka is ready at {self.bootstrap} after {time.monotonic() - t0:.1f}s")
-            return self.bootstrap
+            return proc.pid, True
 
     def stop(self, progress: Callable[[str], None] = print) -> bool:
         """Stop our broker; True if one was running. Clean shutdown first, SIGKILL after 30 s."""
@@ -268,6 +296,14 @@ class LocalKafka:
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
             _wait_exit(pid, 10)
+
+    def pause(self, paused: bool = True) -> None:
+        """SIGSTOP the broker (a hung node: its connections stay open, nothing answers), or
+        SIGCONT it."""
+        pid = self.pid()
+        if pid is None:
+            raise LocalKafkaError(f"no broker is running at {self.bootstrap}")
+        os.kill(pid, signal.SIGSTOP if paused else signal.SIGCONT)
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -321,7 +357,14 @@ class LocalKafka:
         ]
 
     def _write_config(self) -> Path:
-        controller_port = self.port + 1
+        controller_port = self.controller_port
+        voters = [f"1@127.0.0.1:{controller_port}"]
+        if self.cluster_ports:
+            voters = [
+                f"{node}@127.0.0.1:{port + CLUSTER_CONTROLLER_OFFSET}"
+                for node, port in enumerate(self.cluster_ports, start=1)
+            ]
+        replicas, min_isr = self.replicas, max(1, self.replicas - 1)
         listeners = [f"PLAINTEXT://127.0.0.1:{self.port}"]
         protocols = ["PLAINTEXT:PLAINTEXT", "CONTROLLER:PLAINTEXT"]
         secure: list[str] = []
@@ -336,8 +379,8 @@ class LocalKafka:
             "\n".join(
                 [
                     "process.roles=broker,controller",
-                    "node.id=1",
-                    f"controller.quorum.voters=1@127.0.0.1:{controller_port}",
+                    f"node.id={self.node_id}",
+                    f"controller.quorum.voters={','.join(voters)}",
                     f"listeners={','.join(listeners)},CONTROLLER://127.0.0.1:{controller_port}",
                     f"advertised.listeners={','.join(listeners)}",
                     "controller.listener.names=CONTROLLER",
@@ -346,14 +389,17 @@ class LocalKafka:
                     *secure,
                     f"log.dirs={self.data_dir}",
                     "num.partitions=1",
-                    # A single node can only hold one replica of the internal topics.
-                    "offsets.topic.replication.factor=1",
+                    # A single node can only hold one replica of each topic; a cluster
+                    # keeps three, and takes a write when two have it.
+                    f"default.replication.factor={replicas}",
+                    f"min.insync.replicas={min_isr}",
+                    f"offsets.topic.replication.factor={replicas}",
                     "offsets.topic.num.partitions=4",
-                    "transaction.state.log.replication.factor=1",
-                    "transaction.state.log.min.isr=1",
+                    f"transaction.state.log.replication.factor={replicas}",
+                    f"transaction.state.log.min.isr={min_isr}",
                     "transaction.state.log.num.partitions=4",
-                    "share.coordinator.state.topic.replication.factor=1",
-                    "share.coordinator.state.topic.min.isr=1",
+                    f"share.coordinator.state.topic.replication.factor={replicas}",
+                    f"share.coordinator.state.topic.min.isr={min_isr}",
                     "group.initial.rebalance.delay.ms=0",
                     # Tests create their topics on purpose; a typo must not create one.
                     "auto.create.topics.enable=false",
@@ -364,7 +410,7 @@ class LocalKafka:
         (self.run_dir / "log4j2.properties").write_text(LOG4J2_PROPERTIES)
         return config
 
-    def _format(self, java: str, config: Path) -> None:
+    def _format(self, java: str, config: Path, cluster_id: str) -> None:
         result = subprocess.run(
             [
                 java,
@@ -372,7 +418,7 @@ class LocalKafka:
                 "kafka.tools.StorageTool",
                 "format",
                 "-t",
-                new_cluster_id(),
+                cluster_id,
                 "-c",
                 str(config),
             ],

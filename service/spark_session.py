@@ -68,9 +68,11 @@ def build_session(
         builder = builder.config(key, value)
     # pyspark's Py4J converters import pandas and pyarrow (`pyspark.testing.utils`) at the
     # first call into the JVM: imported while the JVM starts, they are there by then.
-    _import_in_background("pyarrow", "pandas")
+    importing = _import_in_background("pyarrow", "pandas")
     with forkserver.spark_python(launcher):
         spark = builder.getOrCreate()
+    if importing is not None:
+        importing.join()
     if "spark.sql.shuffle.partitions" not in (conf or {}):
         cores = spark.sparkContext.defaultParallelism
         spark.conf.set("spark.sql.shuffle.partitions", str(state_partitions(master, cores)))
@@ -79,14 +81,17 @@ def build_session(
     return spark
 
 
-def _import_in_background(*modules: str) -> None:
+def _import_in_background(*modules: str) -> threading.Thread | None:
     def import_them() -> None:
         for module in modules:
             with contextlib.suppress(Exception):  # then pyspark finds it missing, as before
                 importlib.import_module(module)
 
-    if not all(module in sys.modules for module in modules):
-        threading.Thread(target=import_them, name="onceflow-imports", daemon=True).start()
+    if all(module in sys.modules for module in modules):
+        return None
+    thread = threading.Thread(target=import_them, name="onceflow-imports")
+    thread.start()
+    return thread
 
 
 def state_partitions(master: str, cores: int) -> int:

@@ -40,6 +40,13 @@ def pytest_addoption(parser) -> None:
         help="the full fault matrix: more records, every fault point (also in the sink's "
         "crash tests), 10+ random kills, pass-through and windowed",
     )
+    parser.addoption(
+        "--nodes",
+        type=int,
+        default=1,
+        help="also the fault scenarios on a local Kafka cluster of this many nodes (3: "
+        "tests/fault/test_cluster.py); the default runs against one broker only",
+    )
 
 
 def docker_engine_answers() -> bool:

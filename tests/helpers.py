@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import time
@@ -56,9 +57,13 @@ def free_port() -> int:
 
 def free_ports(count: int) -> int:
     """The first of `count` consecutive ports that are free now (a broker, its controller,
-    ...)."""
+    ...), below the range the kernel draws clients' ephemeral ports from: a broker stopped
+    in a test must find its port free again when it starts, not taken by a client."""
+    ephemeral_low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(100):
-        first = free_port()
+        first = random.randrange(10_000, ephemeral_low - count)
         sockets = []
         try:
             for port in range(first, first + count):

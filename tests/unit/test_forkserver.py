@@ -92,6 +92,13 @@ def test_a_driver_that_sets_a_thread_setting_has_children_import_pyarrow_themsel
         process.wait(30)
 
 
+def test_children_draw_different_numpy_random_numbers(server, tmp_path):
+    """numpy's global state was seeded in the server; a fork would repeat its sequence."""
+    _, path = server
+    draws = [report_of(launch(path, tmp_path, "0"))["numpy_draw"] for _ in range(2)]
+    assert draws[0] != draws[1], draws
+
+
 def test_a_childs_streams_take_pythonioencoding_as_a_started_process_would(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONIOENCODING", "latin-1:replace")
     path = os.path.join(tempfile.mkdtemp(prefix="forkserver-test-"), "socket")
@@ -260,28 +267,34 @@ def test_directories_of_killed_drivers_are_removed_and_no_other(tmp_path):
     """A driver's lock says whether it lives; its pid cannot in another PID namespace."""
     ended = subprocess.Popen(["true"])
     ended.wait()
-    killed, elsewhere, making, abandoned = (
-        tmp_path / f"onceflow-forkserver-{ended.pid}-{tag}"
-        for tag in ("killed", "elsewhere", "making", "abandoned")
-    )
-    for directory in (killed, elsewhere, making, abandoned):
+    dead, alive = ended.pid, os.getpid()
+    dirs = {
+        "killed": tmp_path / f"onceflow-forkserver-{dead}-killed",
+        "elsewhere": tmp_path / f"onceflow-forkserver-{dead}-elsewhere",  # locked, pid unseen
+        "making": tmp_path / f"onceflow-forkserver-{dead}-making",  # not locked yet
+        "older_onceflow": tmp_path / f"onceflow-forkserver-{alive}-older",  # no lock, pid lives
+    }
+    long_ago = time.time() - 2 * forkserver._UNLOCKED_GRACE_S
+    for name, directory in dirs.items():
         directory.mkdir()
         (directory / "python").write_text("")
-    (killed / "lock").write_text("")  # its driver's lock went with the driver
-    held = forkserver._lock(str(elsewhere))  # a live driver whose pid this one cannot see
-    long_ago = time.time() - 2 * forkserver._UNLOCKED_GRACE_S
-    os.utime(abandoned, (long_ago, long_ago))  # killed between making it and locking it
+        if name != "making":
+            os.utime(directory, (long_ago, long_ago))
+    held = forkserver._lock(str(dirs["elsewhere"]))
     try:
         forkserver._remove_stale_directories(str(tmp_path))
     finally:
         os.close(held)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([elsewhere.name, making.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        dirs[name].name for name in ("elsewhere", "making", "older_onceflow")
+    )
 
 
 def test_a_started_server_locks_its_directory_while_its_driver_lives(monkeypatch):
     tmp = tempfile.mkdtemp(prefix="fs-")  # short: the socket's path must fit
     script = "from onceflow import forkserver\nprint(forkserver.start_server(), flush=True)\n"
     monkeypatch.setenv("TMPDIR", tmp)
+    monkeypatch.setattr(forkserver, "_UNLOCKED_GRACE_S", 0.0)
     driver = subprocess.Popen(
         [sys.executable, "-c", script + "input()\n"],
         stdin=subprocess.PIPE,
@@ -291,6 +304,7 @@ def test_a_started_server_locks_its_directory_while_its_driver_lives(monkeypatch
     )
     launcher = driver.stdout.readline().strip()
     assert launcher.startswith(tmp), launcher
+    monkeypatch.setattr(forkserver, "_alive", lambda pid: False)  # as from another namespace
     forkserver._remove_stale_directories(tmp)
     assert os.path.exists(launcher)
     os.killpg(driver.pid, signal.SIGKILL)  # the driver and its server: neither cleans up

@@ -148,3 +148,20 @@ def test_the_admin_clients_look_ups_never_create_a_topic(monkeypatch):
     monkeypatch.setattr(kafka_clients, "_admins", {})
     kafka_clients.admin({"bootstrap.servers": "b:9092"})
     assert made[0]["allow.auto.create.topics"] is False
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        KafkaError.FENCED_LEADER_EPOCH,
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.NOT_COORDINATOR,
+    ],
+)
+def test_a_cluster_moving_its_leaders_is_retried_like_a_broker_that_did_not_answer(code):
+    """A rolling restart answered the source's offset look-up with FENCED_LEADER_EPOCH, not
+    marked retriable, and the run died although two of three nodes were up."""
+    assert kafka_clients._retriable(KafkaException(KafkaError(code)))
+    assert not kafka_clients._retriable(
+        KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
+    )
