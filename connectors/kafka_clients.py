@@ -8,6 +8,7 @@ which Spark reuses across batches) keeps its clients here, keyed by their config
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import logging
 import math
@@ -405,7 +406,16 @@ def _list_offsets(
     futures = admin(conf).list_offsets(
         request, isolation_level=isolation, request_timeout=REQUEST_TIMEOUT_S
     )
-    return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
+    try:
+        return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
+    except KafkaException:
+        # The admin client sends each partition's request to the leader in its metadata
+        # cache, refreshed only every few minutes: after a broker died, every retry would go
+        # to the dead one. A metadata request, which any live broker answers, refreshes it.
+        for topic in {tp.topic for tp in request}:
+            with contextlib.suppress(Exception):
+                admin(conf).list_topics(topic, timeout=REQUEST_TIMEOUT_S)
+        raise
 
 
 def earliest(conf: dict[str, str], tps: Iterable[TP]) -> dict[TP, int]:
