@@ -33,7 +33,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 def _kafka(args: argparse.Namespace) -> int:
     broker = dataclasses.replace(LocalKafka.from_env(), sasl_ssl=args.sasl_ssl)
     cluster = LocalCluster.of(broker.home, broker.port, args.nodes) if args.nodes else None
-    if cluster is None and (args.node or (broker.pid() is None and _cluster_here(broker))):
+    found = args.action in ("stop", "status") and broker.pid() is None and _cluster_here(broker)
+    if cluster is None and (args.node or found):  # `start` alone is the single broker
         cluster = LocalCluster.of(broker.home, broker.port)
     if cluster is not None and args.sasl_ssl:
         raise LocalKafkaError("--sasl-ssl is for the single local broker, not a cluster")
