@@ -4,6 +4,7 @@ server cannot serve it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -22,14 +23,23 @@ from tests.helpers import wait_until
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def server():
+@contextlib.contextmanager
+def serving():
+    """A server started with this process' environment; its process and socket path."""
     path = os.path.join(tempfile.mkdtemp(prefix="forkserver-test-"), "socket")  # short
     process = forkserver.spawn(path)
-    wait_until(lambda: os.path.exists(path), 30, "the server's socket")
-    yield process, path
-    process.stdin.close()
-    process.wait(30)
+    try:
+        wait_until(lambda: os.path.exists(path), 30, "the server's socket")
+        yield process, path
+    finally:
+        process.stdin.close()
+        process.wait(30)
+
+
+@pytest.fixture
+def server():
+    with serving() as started:
+        yield started
 
 
 def launch(path: str, cwd: Path, *args: str, env: dict | None = None, **popen):
@@ -81,15 +91,9 @@ def test_a_driver_that_sets_a_thread_setting_has_children_import_pyarrow_themsel
     """The server cannot keep the user's OpenBLAS threads out of a fork: it leaves those
     modules to the children, which take the setting as Spark's processes would."""
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
-    path = os.path.join(tempfile.mkdtemp(prefix="forkserver-test-"), "socket")
-    process = forkserver.spawn(path)
-    try:
-        wait_until(lambda: os.path.exists(path), 30, "the server's socket")
+    with serving() as (process, path):
         report = report_of(launch(path, tmp_path, "0"))
-        assert (report["ppid"], report["preloaded"]) == (process.pid, [])
-    finally:
-        process.stdin.close()
-        process.wait(30)
+    assert (report["ppid"], report["preloaded"]) == (process.pid, [])
 
 
 def test_children_draw_different_numpy_random_numbers(server, tmp_path):
@@ -101,20 +105,14 @@ def test_children_draw_different_numpy_random_numbers(server, tmp_path):
 
 def test_a_childs_streams_take_pythonioencoding_as_a_started_process_would(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONIOENCODING", "latin-1:replace")
-    path = os.path.join(tempfile.mkdtemp(prefix="forkserver-test-"), "socket")
-    process = forkserver.spawn(path)
-    try:
-        wait_until(lambda: os.path.exists(path), 30, "the server's socket")
+    with serving() as (process, path):
         report = report_of(launch(path, tmp_path, "0"))
-        assert report["ppid"] == process.pid
-        assert report["encodings"] == [
-            ["iso8859-1", "replace"],
-            ["iso8859-1", "replace"],
-            ["iso8859-1", "backslashreplace"],  # Python's for stderr, whatever the setting
-        ]
-    finally:
-        process.stdin.close()
-        process.wait(30)
+    assert report["ppid"] == process.pid
+    assert report["encodings"] == [
+        ["iso8859-1", "replace"],
+        ["iso8859-1", "replace"],
+        ["iso8859-1", "backslashreplace"],  # Python's for stderr, whatever the setting
+    ]
 
 
 ASKER = """
