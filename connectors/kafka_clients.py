@@ -8,7 +8,6 @@ which Spark reuses across batches) keeps its clients here, keyed by their config
 from __future__ import annotations
 
 import base64
-import contextlib
 import functools
 import logging
 import math
@@ -356,7 +355,7 @@ def topic_config(conf: dict[str, str], topic: str) -> dict[str, str]:
         error = exc.args[0]
         if error.code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
             raise
-        raise KafkaException(KafkaError(error.code(), error.str(), retriable=True)) from exc
+        raise _marked_retriable(error) from exc
 
 
 @kafka_request
@@ -408,14 +407,39 @@ def _list_offsets(
     )
     try:
         return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
-    except KafkaException:
-        # The admin client sends each partition's request to the leader in its metadata
-        # cache, refreshed only every few minutes: after a broker died, every retry would go
-        # to the dead one. A metadata request, which any live broker answers, refreshes it.
-        for topic in {tp.topic for tp in request}:
-            with contextlib.suppress(Exception):
-                admin(conf).list_topics(topic, timeout=REQUEST_TIMEOUT_S)
+    except KafkaException as exc:
+        # 1. The admin client sends each partition's request to the leader in its metadata
+        #    cache, refreshed only every few minutes: after a broker died, every retry would
+        #    go to the dead one. A metadata request, which any live broker answers, refreshes
+        #    it; if no broker answers it, that is the failure to report.
+        unanswered = _refresh_metadata(conf, {tp.topic for tp in request})
+        if unanswered is not None:
+            raise unanswered from exc
+        # 2. librdkafka's "No leaders found" (_NOENT): a partition between leaders, as while
+        #    its broker shuts down; retried like LEADER_NOT_AVAILABLE.
+        if exc.args[0].code() == KafkaError._NOENT:
+            raise _marked_retriable(exc.args[0]) from exc
+        # 3. Anything else is classified by kafka_retry.
         raise
+
+
+def _refresh_metadata(conf: dict[str, str], topics: Iterable[str]) -> KafkaException | None:
+    """Refresh the admin client's metadata of `topics`; the failure of a request that got no
+    answer (no broker reachable), else None."""
+    for topic in topics:
+        try:
+            admin(conf).list_topics(topic, timeout=REQUEST_TIMEOUT_S)
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            if isinstance(error, KafkaError) and error.code() in NO_ANSWER:
+                return exc
+        except Exception:  # a refresh is best effort: the request's own error stands
+            continue
+    return None
+
+
+def _marked_retriable(error: KafkaError) -> KafkaException:
+    return KafkaException(KafkaError(error.code(), error.str(), retriable=True))
 
 
 def earliest(conf: dict[str, str], tps: Iterable[TP]) -> dict[TP, int]:
