@@ -35,13 +35,17 @@ from tenacity import (
 
 from .errors import KafkaUnreachableError, OptionError
 from .offsets import TP
+from .stalls import reported_if_stalled
 
 log = logging.getLogger("onceflow.kafka")
 REPEAT_WINDOW_S = 30.0
 # The parts of a librdkafka line that change between repeats of one event.
 VOLATILE = re.compile(r"after \d+ms|\d+ identical error\(s\) suppressed|\d+/\d+ brokers")
 
-REQUEST_TIMEOUT_S = 15
+REQUEST_TIMEOUT_S = 15  # a request made once
+# One attempt of a retried look-up (kafka_request): an attempt waiting for a leader that
+# died or hangs is given up sooner, and the next one goes where the refreshed metadata says.
+ATTEMPT_TIMEOUT_S = 5
 PREFETCH_MESSAGES = 20_000
 DEFAULT_RETRY_BUDGET_S = 60.0
 
@@ -265,6 +269,33 @@ class _ClientLog:
         LIBRDKAFKA_LOG.log(level, fmt, *args)
 
 
+# How long a client waits for the answer to one request before it gives up on it and on its
+# connection (librdkafka's socket.timeout.ms; it then refreshes metadata and, for a
+# transaction, finds the coordinator again), and for the first answer on a new connection
+# (api.version.request.timeout.ms). librdkafka's defaults, 60 s (a transactional producer:
+# its transaction timeout) and 10 s, made a hung broker (alive to TCP, answering nothing)
+# stall the pipeline far longer than a dead one, which refuses connections at once; Kafka
+# moves leaders and coordinators off a silent broker within ~10 s. A request cut short is
+# retried: produce requests by the idempotent producer, the commit by librdkafka, look-ups by
+# kafka_retry.
+REQUEST_ANSWER_TIMEOUT_MS = 5_000
+FIRST_ANSWER_TIMEOUT_MS = 3_000
+
+
+def _answer_timeouts(conf: dict[str, str]) -> dict[str, str | int]:
+    """The two timeouts, where the user set neither; librdkafka refuses a socket.timeout.ms
+    above a transactional producer's transaction.timeout.ms + 100."""
+    timeouts: dict[str, str | int] = {}
+    if "socket.timeout.ms" not in conf:
+        timeout = REQUEST_ANSWER_TIMEOUT_MS
+        if "transaction.timeout.ms" in conf:
+            timeout = min(timeout, int(conf["transaction.timeout.ms"]))
+        timeouts["socket.timeout.ms"] = timeout
+    if "api.version.request.timeout.ms" not in conf:
+        timeouts["api.version.request.timeout.ms"] = FIRST_ANSWER_TIMEOUT_MS
+    return timeouts
+
+
 def client_conf(conf: dict[str, str]) -> dict:
     """`conf` for a librdkafka client whose log goes through Python logging, de-duplicated,
     instead of straight to stderr, and whose errors say why Kafka cannot be reached
@@ -278,7 +309,7 @@ def client_conf(conf: dict[str, str]) -> dict:
         if error.code() != KafkaError._ALL_BROKERS_DOWN:  # says nothing about why
             _last_errors[key] = (time.monotonic(), error)
 
-    return {**conf, "logger": _ClientLog(key), "error_cb": remember}
+    return {**conf, **_answer_timeouts(conf), "logger": _ClientLog(key), "error_cb": remember}
 
 
 def admin(conf: dict[str, str]) -> AdminClient:
@@ -313,10 +344,13 @@ def kafka_request(call):
     delivered)."""
     retried = kafka_retry(_delivers_logs(call))
 
+    what = f"Kafka request {call.__name__.strip('_').replace('_', ' ')!r}"
+
     @functools.wraps(call)
     def request(conf: dict[str, str], *args, **kwargs):
         admin(conf).poll(0)
-        return retried(conf, *args, **kwargs)
+        with reported_if_stalled(f"{what} to {conf.get('bootstrap.servers', '?')}"):
+            return retried(conf, *args, **kwargs)
 
     return request
 
@@ -324,7 +358,7 @@ def kafka_request(call):
 @kafka_request
 def metadata(conf: dict[str, str]):
     try:
-        return admin(conf).list_topics(timeout=REQUEST_TIMEOUT_S)
+        return admin(conf).list_topics(timeout=ATTEMPT_TIMEOUT_S)
     except KafkaException:
         raise
     except Exception as exc:  # confluent-kafka raises KafkaException, but be explicit
@@ -334,7 +368,7 @@ def metadata(conf: dict[str, str]):
 @kafka_request
 def topic_metadata(conf: dict[str, str], topic: str):
     """One topic's metadata (None if it does not exist), without listing every topic."""
-    meta = admin(conf).list_topics(topic, timeout=REQUEST_TIMEOUT_S).topics.get(topic)
+    meta = admin(conf).list_topics(topic, timeout=ATTEMPT_TIMEOUT_S).topics.get(topic)
     if meta is None or meta.error is None:
         return meta
     if meta.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
@@ -348,7 +382,7 @@ def topic_config(conf: dict[str, str], topic: str) -> dict[str, str]:
     that exists. In a cluster, a broker that has not heard of a topic created a moment ago
     answers UNKNOWN_TOPIC_OR_PART: retried like a broker that did not answer."""
     resource = ConfigResource(ResourceType.TOPIC, topic)
-    future = admin(conf).describe_configs([resource], request_timeout=REQUEST_TIMEOUT_S)[resource]
+    future = admin(conf).describe_configs([resource], request_timeout=ATTEMPT_TIMEOUT_S)[resource]
     try:
         return {name: entry.value for name, entry in future.result().items()}
     except KafkaException as exc:
@@ -369,7 +403,7 @@ def topic_ids(conf: dict[str, str], topics: Iterable[str]) -> dict[str, str | No
     names = sorted(set(topics))
     if not names:
         return {}
-    futures = admin(conf).describe_topics(TopicCollection(names), request_timeout=REQUEST_TIMEOUT_S)
+    futures = admin(conf).describe_topics(TopicCollection(names), request_timeout=ATTEMPT_TIMEOUT_S)
     ids: dict[str, str | None] = {}
     for name, future in futures.items():
         try:
@@ -403,10 +437,11 @@ def _list_offsets(
     if not request:
         return {}
     futures = admin(conf).list_offsets(
-        request, isolation_level=isolation, request_timeout=REQUEST_TIMEOUT_S
+        request, isolation_level=isolation, request_timeout=ATTEMPT_TIMEOUT_S
     )
     try:
-        return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
+        offsets = {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
+        return _every_offset_answered(offsets)
     except KafkaException as exc:
         # 1. The admin client sends each partition's request to the leader in its metadata
         #    cache, refreshed only every few minutes: after a broker died, every retry would
@@ -423,12 +458,27 @@ def _list_offsets(
         raise
 
 
+def _every_offset_answered(offsets: dict[TP, int]) -> dict[TP, int]:
+    """`offsets`, if each is an offset: librdkafka (2.15, `ListOffsets_response_merge`) can
+    leave a partition whose leader did not answer with no error and offset -1001 (no offset),
+    which the source must never plan with. Retried like a leader that did not answer."""
+    unanswered = sorted(tp for tp, offset in offsets.items() if offset < 0)
+    if unanswered:
+        raise _marked_retriable(
+            KafkaError(
+                KafkaError._TIMED_OUT,
+                f"no offset in the answer for {', '.join(f'{t}[{p}]' for t, p in unanswered)}",
+            )
+        )
+    return offsets
+
+
 def _refresh_metadata(conf: dict[str, str], topics: Iterable[str]) -> KafkaException | None:
     """Refresh the admin client's metadata of `topics`; the failure of a request that got no
     answer (no broker reachable), else None."""
     for topic in topics:
         try:
-            admin(conf).list_topics(topic, timeout=REQUEST_TIMEOUT_S)
+            admin(conf).list_topics(topic, timeout=ATTEMPT_TIMEOUT_S)
         except KafkaException as exc:
             error = exc.args[0] if exc.args else None
             if isinstance(error, KafkaError) and error.code() in NO_ANSWER:

@@ -32,6 +32,7 @@ from .errors import (
     TransactionTimedOutError,
 )
 from .markers import Marker, ensure_marker_topic, last_marker, legacy_marker
+from .stalls import reported_if_stalled
 
 log = logging.getLogger("onceflow.sink")
 
@@ -113,14 +114,16 @@ class EpochPublisher:
         if self.producer is None:
             ensure_marker_topic(self.conf, self.marker_topic)
             producer = Producer(kafka_clients.client_conf(self.producer_config()))
-            self._init(producer)
-            self.last = last_marker(
-                self.conf,
-                self.marker_topic,
-                self.transactional_id,
-                2 * self.timeout_s,
-                self.legacy_marker_topic,
-            )
+            with reported_if_stalled(f"sink {self.transactional_id!r}: starting its producer"):
+                self._init(producer)
+            with reported_if_stalled(f"sink {self.transactional_id!r}: reading its last marker"):
+                self.last = last_marker(
+                    self.conf,
+                    self.marker_topic,
+                    self.transactional_id,
+                    2 * self.timeout_s,
+                    self.legacy_marker_topic,
+                )
             self.stats.last_committed_batch = _batch(self.last)
             self.producer = producer
             log.info(
@@ -420,7 +423,10 @@ class TransactionalPublisher(EpochPublisher):
 
     def _commit_transaction(self, producer: Producer, batch_id: int) -> None:
         faults.commit_failure("commit_abortable", batch_id)
-        producer.commit_transaction(self.timeout_s)
+        with reported_if_stalled(
+            f"epoch {batch_id}: the Kafka commit of {self.transactional_id!r}"
+        ):
+            producer.commit_transaction(self.timeout_s)
         faults.commit_failure("commit_outcome_unknown", batch_id)
 
     def _committed(self, marker: Marker, began: float) -> None:

@@ -1,6 +1,7 @@
 """Exactly-once on a three-node Kafka cluster (three replicas, min ISR 2), as users run Kafka:
-the sink's transaction coordinator dies while the driver commits, then every node restarts in
-turn, while a pipeline runs and a read_committed reader watches its output as it is written.
+the sink's transaction coordinator dies while the driver commits, then hangs, then every node
+restarts in turn, while a pipeline runs and a read_committed reader watches its output as it
+is written.
 
 The default run is the short version (a windowed pipeline); `--long` also runs it
 pass-through, where the reader checks that one key's records of one input partition keep
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 
+from onceflow.connectors import kafka_clients
 from onceflow.connectors.topics import create_topic
 from onceflow.local_cluster import LocalCluster
 from onceflow.local_kafka import LocalKafka
@@ -58,14 +60,21 @@ def _three_nodes_asked_for(request):
         )
 
 
-def test_the_coordinator_dies_in_a_commit_then_every_node_restarts_in_turn(
+def test_the_coordinator_dies_in_a_commit_then_hangs_then_every_node_restarts_in_turn(
     cluster, cluster_pipeline, tmp_path, monkeypatch
 ):
     windowed = cluster_pipeline == "windowed"
     topics = {n: _topic(cluster, n) for n in ("in", "out", "dlq", "late")}
     feeder = Feeder(cluster.bootstrap, topics["in"])  # clicks arrive all along the faults
     app = Scenario(cluster.bootstrap, topics, [], tmp_path, long=False)
-    pipeline = app.pipeline(windowed=windowed, source={"max_records_per_batch": 2_000})
+    # Clicks of a partition whose leader hangs wait in the feeder's producer while the other
+    # partitions' move event time on (2.8 s of it per second): a watermark delay of 30 s
+    # keeps them from being late, so every click must be in its window.
+    pipeline = app.pipeline(
+        windowed=windowed,
+        source={"max_records_per_batch": 2_000},
+        event_time={"watermark_delay": "30s"},
+    )
     checker = LiveChecker(
         cluster.bootstrap,
         topics["out"],
@@ -76,13 +85,15 @@ def test_the_coordinator_dies_in_a_commit_then_every_node_restarts_in_turn(
     commits = app.tmp / "checkpoint" / "commits"
     held = tmp_path / "held"
     monkeypatch.setenv("ONCEFLOW_FAULT_HOLD_FILE", str(held))
-    service = app.service(pipeline, fault="hold:before_kafka_commit@3")
+    # Epoch 8 is the first sure to publish windows: epochs 0 and 1 are small (a start's first
+    # epochs), the next of 2,000 clicks (14 s of event time) each.
+    service = app.service(pipeline, fault="hold:before_kafka_commit@8")
     watch = CommitWatch(commits)
     stalls = {}
 
-    # 1. The coordinator of the sink's transactional id dies with epoch 3's transaction open
+    # 1. The coordinator of the sink's transactional id dies with epoch 8's transaction open
     #    and produced, as the driver commits it.
-    wait_until(lambda: held.exists() or service.process.poll() is not None, 180, "epoch 3")
+    wait_until(lambda: held.exists() or service.process.poll() is not None, 180, "epoch 8")
     assert service.process.poll() is None, service.tail()
     sink = f"onceflow-fault-{topics['in']}-{topics['out']}"  # the sink's transactional id
     coordinator = _transaction_coordinator(cluster, sink)
@@ -96,7 +107,20 @@ def test_the_coordinator_dies_in_a_commit_then_every_node_restarts_in_turn(
         killed
     )
 
-    # 2. A rolling restart: each node stopped cleanly and started again, in turn.
+    # 2. A hung node: the coordinator, wherever it is now, stops answering but keeps its
+    #    connections (SIGSTOP), for longer than a client waits for an answer; the pipeline
+    #    must go on committing without it, then it resumes and catches up.
+    coordinator = _transaction_coordinator(cluster, sink)
+    before, hung = _committed(commits), time.monotonic()
+    cluster.node(coordinator).pause()
+    try:
+        _next_commit(service, commits, before + 2)  # one may have been on its way already
+        stalls[f"node {coordinator}, the coordinator, hung (SIGSTOP)"] = watch.longest_gap(hung)
+    finally:
+        cluster.node(coordinator).pause(False)
+    cluster.wait_in_sync(progress=print)
+
+    # 3. A rolling restart: each node stopped cleanly and started again, in turn.
     for node in range(1, cluster.size + 1):
         before, stopping = _committed(commits), time.monotonic()
         cluster.node(node).stop(progress=print)
@@ -128,16 +152,25 @@ def test_the_coordinator_dies_in_a_commit_then_every_node_restarts_in_turn(
 
 class Feeder:
     """Clicks produced at a steady rate from a thread, through the faults (an idempotent
-    producer that waits out a dead leader), until `stop()`, which returns those delivered."""
+    producer that waits out a dead leader and gives up on a hung one as onceflow's clients
+    do), until `stop()`, which returns those delivered. The first BACKLOG clicks (56 s of
+    event time) go at once, so that the first epochs already close windows and publish."""
 
     RATE_PER_S = 400
+    BACKLOG = 8_000
 
     def __init__(self, bootstrap: str, topic: str) -> None:
         self.topic = topic
         self.delivered: list[tuple[str, int]] = []
         self.failed: list = []
         self.producer = Producer(
-            {"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5}
+            {
+                "bootstrap.servers": bootstrap,
+                "enable.idempotence": True,
+                "linger.ms": 5,
+                "socket.timeout.ms": kafka_clients.REQUEST_ANSWER_TIMEOUT_MS,
+                "api.version.request.timeout.ms": kafka_clients.FIRST_ANSWER_TIMEOUT_MS,
+            }
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="feeder", daemon=True)
@@ -146,7 +179,7 @@ class Feeder:
     def _run(self) -> None:
         i, started = 0, time.monotonic()
         while not self._stop.wait(0.05):
-            due = int((time.monotonic() - started) * self.RATE_PER_S)
+            due = self.BACKLOG + int((time.monotonic() - started) * self.RATE_PER_S)
             for _ in range(due - i):
                 user, ts = f"u{i % USERS}", BASE + i * 7
                 self.producer.produce(

@@ -82,3 +82,25 @@ def test_a_partition_that_stays_leaderless_is_named_as_such(stand_in):
         kafka_clients.stable_ends(CONF, [("in", 0)])
     assert "No leaders found" in str(raised.value)
     assert "Check that every partition of the subscribed topics has a leader" in str(raised.value)
+
+
+def test_a_partition_answered_without_an_offset_is_asked_again(stand_in):
+    """librdkafka can merge a leader's failed answer into "no offset" (-1001) without an
+    error; planning a batch with it would read nothing or go backwards."""
+    client = stand_in(StandInAdmin([-1001, 42]))
+    assert kafka_clients.stable_ends(CONF, [("in", 0)]) == {("in", 0): 42}
+    assert client.requests == 2
+
+
+def test_every_client_gives_up_on_an_unanswered_request_before_kafka_moves_its_leaders():
+    """A hung broker answers nothing; librdkafka waits 60 s by default (a transactional
+    producer: its transaction timeout), and 10 s for a new connection's first answer, before
+    it drops the connection and looks again."""
+    conf = kafka_clients.client_conf(CONF)
+    assert conf["socket.timeout.ms"] == kafka_clients.REQUEST_ANSWER_TIMEOUT_MS <= 5_000
+    assert conf["api.version.request.timeout.ms"] == kafka_clients.FIRST_ANSWER_TIMEOUT_MS
+    transactional = {**CONF, "transactional.id": "t", "transaction.timeout.ms": "4000"}
+    assert kafka_clients.client_conf(transactional)["socket.timeout.ms"] == 4000
+    own = {**CONF, "socket.timeout.ms": "30000", "api.version.request.timeout.ms": "9000"}
+    client = kafka_clients.client_conf(own)
+    assert {name: client[name] for name in own} == own
