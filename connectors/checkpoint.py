@@ -25,6 +25,14 @@ SINK_STATS = "onceflow-sink-stats.json"
 SOURCE_STATS = "onceflow-source-stats.json"
 INITIAL_OFFSETS = "onceflow-initial-offsets.json"
 CLAIM = "onceflow-app.json"
+# Spark writes its logs and state files through a CheckpointFileManager. Its default
+# (FileContext) forks 8 `readlink`s per file on a local disk (Hadoop 3.5 without its native
+# library), and is no more atomic there than this one: Hadoop's local rename checks that
+# the target is absent, then renames (`AbstractFileSystem.renameInternal`, then
+# `File.renameTo`), which is what this manager does too. The lease keeps writers apart.
+LOCAL_FILE_MANAGER = (
+    "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,13 @@ class CheckpointDir:
     @property
     def is_local(self) -> bool:
         return "://" not in self.location or self.location.startswith("file:")
+
+    def spark_conf(self) -> dict[str, str]:
+        """The Spark settings this checkpoint is written with: on a local disk, Spark's
+        FileSystem-based file manager (see LOCAL_FILE_MANAGER)."""
+        if not self.is_local:
+            return {}
+        return {"spark.sql.streaming.checkpointFileManagerClass": LOCAL_FILE_MANAGER}
 
     # -- Spark's files ---------------------------------------------------------------------
 

@@ -79,10 +79,10 @@ def _workload(partial: Path) -> None:
     from pyspark import SparkContext
     from pyspark.sql import functions as F
 
-    from .spark_session import build_session
+    from .spark_session import DRIVER_GARBAGE_COLLECTOR, build_session
     from .warmup import warm_up
 
-    options = f"-XX:ArchiveClassesAtExit={partial} {QUIET}"
+    options = f"{DRIVER_GARBAGE_COLLECTOR} -XX:ArchiveClassesAtExit={partial} {QUIET}"
     spark = build_session(conf={"spark.driver.extraJavaOptions": options})
     spark.sparkContext.setLogLevel("OFF")  # stopping the query mid-epoch is expected here
     warm_up(spark)

@@ -56,7 +56,9 @@ def run(
         check_standby(config)
     lease = None if standby else acquire(config)  # a second instance is refused at once
     faults.watch_state_store_commits(config.checkpoint_location)
-    spark = build_session(config.spark_master, f"onceflow-{config.app_id}", config.spark_conf)
+    checkpoint = CheckpointDir(config.checkpoint_location)
+    conf = checkpoint.spark_conf() | config.spark_conf  # the user's own settings win
+    spark = build_session(config.spark_master, f"onceflow-{config.app_id}", conf)
     metrics = PipelineMetrics(config.app_id)
     input_bytes = spark.sparkContext.accumulator(0)
     listener = PipelineListener(metrics, config.checkpoint_location, input_bytes)
@@ -91,7 +93,7 @@ def run(
                     raise KeyboardInterrupt
                 return
             log.info("standby: took over checkpoint %s", config.checkpoint_location)
-        if CheckpointDir(config.checkpoint_location).committed_batches():
+        if checkpoint.committed_batches():
             metrics.restarts.labels(config.app_id).inc()
         lost = lease.lost if lease is not None else threading.Event()
         query = _run_query(spark, config, available_now, input_bytes, stop, lost)
