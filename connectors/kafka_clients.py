@@ -280,16 +280,22 @@ class _ClientLog:
 # kafka_retry.
 REQUEST_ANSWER_TIMEOUT_MS = 5_000
 FIRST_ANSWER_TIMEOUT_MS = 3_000
+# How long a broker may hold a produce request (waiting for its in-sync replicas) before it
+# answers REQUEST_TIMED_OUT, which the producer retries on the same connection. Kafka's
+# default, 30 s, is longer than the client waits for an answer: a slow but live broker would
+# be dropped and reconnected as if it hung. A producer setting (publisher.producer_config).
+PRODUCE_WAIT_MS = 4_000
 
 
 def _answer_timeouts(conf: dict[str, str]) -> dict[str, str | int]:
-    """The two timeouts, where the user set neither; librdkafka refuses a socket.timeout.ms
-    above a transactional producer's transaction.timeout.ms + 100."""
+    """The two timeouts, where the user set neither. A transactional producer's stays 100 ms
+    under its transaction timeout, as librdkafka's own default does (rd_kafka_conf_finalize):
+    one attempt must not take the whole transaction."""
     timeouts: dict[str, str | int] = {}
     if "socket.timeout.ms" not in conf:
         timeout = REQUEST_ANSWER_TIMEOUT_MS
         if "transaction.timeout.ms" in conf:
-            timeout = min(timeout, int(conf["transaction.timeout.ms"]))
+            timeout = min(timeout, max(int(conf["transaction.timeout.ms"]) - 100, 900))
         timeouts["socket.timeout.ms"] = timeout
     if "api.version.request.timeout.ms" not in conf:
         timeouts["api.version.request.timeout.ms"] = FIRST_ANSWER_TIMEOUT_MS

@@ -105,6 +105,7 @@ class EpochPublisher:
             "batch.size": 1_000_000,
             "queue.buffering.max.messages": 1_000_000,
             "queue.buffering.max.kbytes": 1_048_576,
+            "request.timeout.ms": kafka_clients.PRODUCE_WAIT_MS,
             **self.conf,
             "enable.idempotence": True,
         }

@@ -11,6 +11,7 @@ import contextlib
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
+from onceflow.connectors import kafka_clients
 from onceflow.connectors import publisher as publishing
 from onceflow.connectors.errors import CheckpointMismatchError, FencedError, OnceflowError
 from onceflow.connectors.markers import Marker
@@ -320,3 +321,18 @@ def test_a_transaction_that_outlived_its_timeout_says_so(broker, monkeypatch):
         exactly_once().publish(0, "q", records(1), OFFSETS)
     assert type(info.value).__name__ == "TransactionTimedOutError"
     assert "open for 100 s, past its timeout of 60 s" in str(info.value)
+
+
+# -- the producer's timeouts --------------------------------------------------------------
+
+
+def test_a_broker_holding_a_produce_for_its_replicas_answers_before_the_producer_gives_up():
+    """A broker waits up to request.timeout.ms for the in-sync replicas (Kafka's default
+    30 s); a client that gave up first (socket.timeout.ms) would drop a live connection."""
+    for publisher in (exactly_once(), at_least_once()):
+        conf = kafka_clients.client_conf(publisher.producer_config())
+        assert conf["request.timeout.ms"] < conf["socket.timeout.ms"]
+    own = publishing.TransactionalPublisher(
+        {"bootstrap.servers": "fake:9092", "request.timeout.ms": "9000"}, SINK, MARKERS
+    )
+    assert own.producer_config()["request.timeout.ms"] == "9000"  # the user's own wins
