@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import NewTopic
 
 from . import kafka_clients
@@ -22,13 +22,8 @@ def create_topic(
     `conf` is a librdkafka config, or just a bootstrap address.
     """
     conf = _conf(conf)
+    _create(conf, NewTopic(name, partitions, -1, config=config or {}))
     admin = kafka_clients.admin(conf)
-    futures = admin.create_topics([NewTopic(name, partitions, -1, config=config or {})])
-    try:
-        futures[name].result(30)
-    except KafkaException as exc:
-        if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
-            raise
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         meta = admin.list_topics(name, timeout=5).topics.get(name)
@@ -41,6 +36,19 @@ def create_topic(
             return
         time.sleep(0.1)
     raise TimeoutError(f"topic {name!r} has no leader after 30 s; is the broker healthy?")
+
+
+@kafka_clients.kafka_request
+def _create(conf: dict[str, str], topic: NewTopic) -> None:
+    """One CreateTopics request, retried like a look-up: an answer the client gave up on (a
+    controller moving or slow) is asked again, and a topic that exists is what was asked."""
+    admin = kafka_clients.admin(conf)
+    future = admin.create_topics([topic], request_timeout=kafka_clients.ATTEMPT_TIMEOUT_S)
+    try:
+        future[topic.topic].result()
+    except KafkaException as exc:
+        if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+            raise
 
 
 def read_committed(conf: dict[str, str] | str, topic: str, timeout: float = 60.0) -> list:

@@ -256,7 +256,24 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
         base_dir=base_dir,
     )
     _check_fields(config)
+    _check_socket_timeout(config)
     return config
+
+
+def _check_socket_timeout(config: PipelineConfig) -> None:
+    """librdkafka refuses a transactional producer whose socket.timeout.ms is above its
+    transaction timeout + 100 ms, and would say so only at the first epoch's commit."""
+    socket_timeout = config.kafka.get("socket.timeout.ms")
+    limit = config.sink.transaction_timeout_ms + 100
+    if config.sink.guarantee != "exactly_once" or socket_timeout is None:
+        return
+    if int(socket_timeout) > limit:
+        raise ConfigError(
+            "kafka.socket.timeout.ms",
+            f"is {socket_timeout} ms, above sink.transaction_timeout + 100 ms ({limit} ms), "
+            "which the transactional producer refuses: lower it, or raise "
+            "sink.transaction_timeout",
+        )
 
 
 def _kafka_settings(raw: dict) -> dict[str, str]:

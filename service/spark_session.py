@@ -6,12 +6,12 @@ import contextlib
 import importlib
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import Mapping
 
-from . import forkserver
-from .class_archive import driver_java_options
+from . import class_archive, forkserver
 
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 
@@ -43,6 +43,23 @@ DEFAULT_CONF = {
 # small machine by about a second, and the parallel collector moves as many records per
 # second once warm (README, "Recovery": both measured).
 DRIVER_GARBAGE_COLLECTOR = "-XX:+UseParallelGC"
+# Where else a collector can be chosen for the driver JVM; the JVM refuses to start with two.
+JVM_OPTION_VARIABLES = (
+    "JAVA_TOOL_OPTIONS",
+    "JDK_JAVA_OPTIONS",
+    "_JAVA_OPTIONS",
+    "SPARK_SUBMIT_OPTS",
+)
+CHOSEN_COLLECTOR = re.compile(r"-XX:\+Use\w+GC\b")
+
+
+def driver_java_options(conf: Mapping[str, str]) -> str:
+    """The driver JVM's options: the collector, unless one is chosen elsewhere (the JVM's
+    environment, `spark.driver.defaultJavaOptions`), and the class archive if recorded."""
+    elsewhere = [os.environ.get(name, "") for name in JVM_OPTION_VARIABLES]
+    elsewhere.append(conf.get("spark.driver.defaultJavaOptions", ""))
+    collector = None if CHOSEN_COLLECTOR.search(" ".join(elsewhere)) else DRIVER_GARBAGE_COLLECTOR
+    return " ".join(filter(None, (collector, class_archive.driver_java_options())))
 
 
 def build_session(
@@ -65,10 +82,9 @@ def build_session(
     from pyspark.sql import SparkSession
 
     settings = dict(DEFAULT_CONF)
-    # A user's own JVM options replace these.
-    settings["spark.driver.extraJavaOptions"] = " ".join(
-        filter(None, (DRIVER_GARBAGE_COLLECTOR, driver_java_options()))
-    )
+    java_options = driver_java_options(conf or {})
+    if java_options:  # a user's own JVM options replace these
+        settings["spark.driver.extraJavaOptions"] = java_options
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in {**settings, **(conf or {})}.items():
         builder = builder.config(key, value)

@@ -148,3 +148,17 @@ def test_a_misspelled_kafka_setting_is_refused_naming_it():
     raw = {**BASE, "kafka": {"bootstrap_servers": "b:9092", "sasl.usrname": "x"}}
     with pytest.raises(ConfigError, match="kafka.sasl.usrname: No such configuration property"):
         parse(raw)
+
+
+def test_a_socket_timeout_the_transactional_producer_would_refuse_is_refused_here():
+    """librdkafka refuses socket.timeout.ms above transaction.timeout.ms + 100 only for a
+    transactional producer, which the sink creates at its first commit."""
+    kafka = {"bootstrap_servers": "b:9092", "socket_timeout_ms": "90000"}
+    refused = r"kafka\.socket\.timeout\.ms: .*sink\.transaction_timeout"
+    with pytest.raises(ConfigError, match=refused):
+        parse(with_(kafka=kafka))
+    assert (
+        parse(with_(kafka=kafka, sink={"transaction_timeout": "90s"})).kafka["socket.timeout.ms"]
+        == "90000"
+    )
+    assert parse(with_(kafka=kafka, sink={"guarantee": "at_least_once"}))

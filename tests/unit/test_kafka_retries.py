@@ -15,6 +15,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from onceflow.connectors import kafka_clients
 from onceflow.connectors.errors import KafkaUnreachableError
+from onceflow.connectors.topics import create_topic
 
 CONF = {"bootstrap.servers": "stand-in:9092"}
 NO_LEADER = KafkaError(KafkaError._NOENT, "Failed to query partition leaders: No leaders found")
@@ -106,3 +107,26 @@ def test_every_client_gives_up_on_an_unanswered_request_before_kafka_moves_its_l
     own = {**CONF, "socket.timeout.ms": "30000", "api.version.request.timeout.ms": "9000"}
     client = kafka_clients.client_conf(own)
     assert {name: client[name] for name in own} == own
+
+
+def test_a_topic_creation_the_client_gave_up_on_is_asked_again(stand_in):
+    """A controller that is moving or slow leaves CreateTopics unanswered within the client's
+    timeout; the request may still have been carried out, so the retry may find the topic."""
+
+    class Creating(StandInAdmin):
+        def create_topics(self, topics, **_):
+            self.requests += 1
+            future: Future = Future()
+            first = self.requests == 1
+            code = KafkaError._TIMED_OUT if first else KafkaError.TOPIC_ALREADY_EXISTS
+            future.set_exception(KafkaException(KafkaError(code)))
+            return {topics[0].topic: future}
+
+        def list_topics(self, topic, **_):
+            partition = type("Partition", (), {"leader": 1})()
+            meta = type("Topic", (), {"error": None, "partitions": {0: partition}})()
+            return type("Metadata", (), {"topics": {topic: meta}})()
+
+    client = stand_in(Creating([]))
+    create_topic(CONF, "markers")
+    assert client.requests == 2

@@ -2,6 +2,7 @@
 
 import pytest
 
+from onceflow import spark_session
 from onceflow.spark_session import state_partitions
 
 
@@ -19,3 +20,18 @@ from onceflow.spark_session import state_partitions
 )
 def test_keyed_state_has_a_partition_per_core_of_a_local_master(master, cores, partitions):
     assert state_partitions(master, cores) == partitions
+
+
+def test_the_driver_collects_with_the_parallel_collector_unless_one_is_chosen_elsewhere(
+    monkeypatch,
+):
+    """The JVM refuses to start with two collectors ("Multiple garbage collectors selected")."""
+    for name in spark_session.JVM_OPTION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert "-XX:+UseParallelGC" in spark_session.driver_java_options({}).split()
+    chosen = {"spark.driver.defaultJavaOptions": "-Xss4m -XX:+UseZGC"}
+    assert "GC" not in spark_session.driver_java_options(chosen)
+    for name in spark_session.JVM_OPTION_VARIABLES:
+        monkeypatch.setenv(name, "-XX:+UseG1GC -Xmx2g")
+        assert "GC" not in spark_session.driver_java_options({}), name
+        monkeypatch.delenv(name)
