@@ -79,10 +79,11 @@ def _workload(partial: Path) -> None:
     from pyspark import SparkContext
     from pyspark.sql import functions as F
 
-    from .spark_session import DRIVER_GARBAGE_COLLECTOR, build_session
+    from .spark_session import build_session, driver_collector
     from .warmup import warm_up
 
-    options = f"{DRIVER_GARBAGE_COLLECTOR} -XX:ArchiveClassesAtExit={partial} {QUIET}"
+    collector = driver_collector({}) or ""  # as the pipelines' driver will run
+    options = f"{collector} -XX:ArchiveClassesAtExit={partial} {QUIET}".strip()
     spark = build_session(conf={"spark.driver.extraJavaOptions": options})
     spark.sparkContext.setLogLevel("OFF")  # stopping the query mid-epoch is expected here
     warm_up(spark)

@@ -256,24 +256,32 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
         base_dir=base_dir,
     )
     _check_fields(config)
-    _check_socket_timeout(config)
+    _check_sink_producer(config)
     return config
 
 
-def _check_socket_timeout(config: PipelineConfig) -> None:
-    """librdkafka refuses a transactional producer whose socket.timeout.ms is above its
-    transaction timeout + 100 ms, and would say so only at the first epoch's commit."""
-    socket_timeout = config.kafka.get("socket.timeout.ms")
-    limit = config.sink.transaction_timeout_ms + 100
-    if config.sink.guarantee != "exactly_once" or socket_timeout is None:
-        return
-    if int(socket_timeout) > limit:
+def _check_sink_producer(config: PipelineConfig) -> None:
+    """librdkafka checks some settings against each other only for the producer the sink
+    makes at its first commit (a transactional one, for exactly-once: socket.timeout.ms and
+    message.timeout.ms against the transaction timeout, acks, max.in.flight): build one that
+    never connects, here, so that a refusal names the field before anything runs."""
+    from confluent_kafka import KafkaException, Producer
+
+    settings = {k: v for k, v in config.kafka.items() if k != "bootstrap.servers"}
+    settings |= {"enable.idempotence": True, "log_level": 0}
+    if config.sink.guarantee == "exactly_once":
+        timeout_ms = config.sink.transaction_timeout_ms
+        settings |= {"transactional.id": "onceflow-check", "transaction.timeout.ms": timeout_ms}
+    try:
+        Producer(settings)
+    except KafkaException as exc:
+        message = exc.args[0].str()
+        named = [n for n in re.findall(r"`([^`]+)`", message) if n in config.kafka]
         raise ConfigError(
-            "kafka.socket.timeout.ms",
-            f"is {socket_timeout} ms, above sink.transaction_timeout + 100 ms ({limit} ms), "
-            "which the transactional producer refuses: lower it, or raise "
-            "sink.transaction_timeout",
-        )
+            f"kafka.{named[0]}" if named else "kafka",
+            f"{message} (librdkafka, for the sink's producer; its transaction.timeout.ms is "
+            f"sink.transaction_timeout, {config.sink.transaction_timeout_ms} ms)",
+        ) from None
 
 
 def _kafka_settings(raw: dict) -> dict[str, str]:

@@ -39,9 +39,8 @@ DEFAULT_CONF = {
     "spark.redaction.regex": r"(?i)secret|password|token|access[.]?key|pem|jaas",
 }
 
-# The driver JVM's collector: G1's concurrent threads and write barriers slow a start on a
-# small machine by about a second, and the parallel collector moves as many records per
-# second once warm (README, "Recovery": both measured).
+# The driver JVM's collector: with it a restart on a small machine came sooner than with G1,
+# and the pipelines moved as many records per second once warm (README, "Recovery").
 DRIVER_GARBAGE_COLLECTOR = "-XX:+UseParallelGC"
 # Where else a collector can be chosen for the driver JVM; the JVM refuses to start with two.
 JVM_OPTION_VARIABLES = (
@@ -53,13 +52,18 @@ JVM_OPTION_VARIABLES = (
 CHOSEN_COLLECTOR = re.compile(r"-XX:\+Use\w+GC\b")
 
 
-def driver_java_options(conf: Mapping[str, str]) -> str:
-    """The driver JVM's options: the collector, unless one is chosen elsewhere (the JVM's
-    environment, `spark.driver.defaultJavaOptions`), and the class archive if recorded."""
+def driver_collector(conf: Mapping[str, str]) -> str | None:
+    """The collector option, unless one is chosen elsewhere (the JVM's environment,
+    `spark.driver.defaultJavaOptions`). A choice in spark-defaults.conf or spark-env.sh is
+    not seen here: set `spark.driver.extraJavaOptions` in the pipeline instead."""
     elsewhere = [os.environ.get(name, "") for name in JVM_OPTION_VARIABLES]
     elsewhere.append(conf.get("spark.driver.defaultJavaOptions", ""))
-    collector = None if CHOSEN_COLLECTOR.search(" ".join(elsewhere)) else DRIVER_GARBAGE_COLLECTOR
-    return " ".join(filter(None, (collector, class_archive.driver_java_options())))
+    return None if CHOSEN_COLLECTOR.search(" ".join(elsewhere)) else DRIVER_GARBAGE_COLLECTOR
+
+
+def driver_java_options(conf: Mapping[str, str]) -> str:
+    """The driver JVM's options: the collector and the class archive, if recorded."""
+    return " ".join(filter(None, (driver_collector(conf), class_archive.driver_java_options())))
 
 
 def build_session(

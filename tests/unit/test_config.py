@@ -150,15 +150,21 @@ def test_a_misspelled_kafka_setting_is_refused_naming_it():
         parse(raw)
 
 
-def test_a_socket_timeout_the_transactional_producer_would_refuse_is_refused_here():
-    """librdkafka refuses socket.timeout.ms above transaction.timeout.ms + 100 only for a
-    transactional producer, which the sink creates at its first commit."""
-    kafka = {"bootstrap_servers": "b:9092", "socket_timeout_ms": "90000"}
-    refused = r"kafka\.socket\.timeout\.ms: .*sink\.transaction_timeout"
-    with pytest.raises(ConfigError, match=refused):
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("socket_timeout_ms", "90000"), ("message_timeout_ms", "120000"), ("acks", "1")],
+)
+def test_a_setting_the_sinks_transactional_producer_would_refuse_is_refused_here(setting, value):
+    """librdkafka checks these against the transaction timeout or idempotence only for the
+    producer the sink makes at its first commit."""
+    kafka = {"bootstrap_servers": "b:9092", setting: value}
+    with pytest.raises(ConfigError, match=rf"kafka\.{setting.replace('_', '.')}: .*librdkafka"):
         parse(with_(kafka=kafka))
-    assert (
-        parse(with_(kafka=kafka, sink={"transaction_timeout": "90s"})).kafka["socket.timeout.ms"]
-        == "90000"
-    )
+
+
+def test_a_socket_timeout_within_the_transaction_timeout_is_accepted():
+    kafka = {"bootstrap_servers": "b:9092", "socket_timeout_ms": "90000"}
+    raised = parse(with_(kafka=kafka, sink={"transaction_timeout": "90s"}))
+    assert raised.kafka["socket.timeout.ms"] == "90000"
+    assert parse(with_(kafka={**kafka, "socket_timeout_ms": "30s"}))  # librdkafka reads 30
     assert parse(with_(kafka=kafka, sink={"guarantee": "at_least_once"}))
