@@ -56,7 +56,7 @@ def _three_nodes_asked_for(request):
     if request.config.getoption("--nodes") < 3:
         pytest.skip(
             "runs with --nodes 3 only: not yet in `make test`, until it has passed more "
-            "runs in a row than its last four (README, fault section)"
+            "runs in a row than its last five (README, fault section)"
         )
 
 
