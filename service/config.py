@@ -265,23 +265,34 @@ def _check_sink_producer(config: PipelineConfig) -> None:
     makes at its first commit (a transactional one, for exactly-once: socket.timeout.ms and
     message.timeout.ms against the transaction timeout, acks, max.in.flight): build one that
     never connects, here, so that a refusal names the field before anything runs."""
-    from confluent_kafka import KafkaException, Producer
-
-    settings = {k: v for k, v in config.kafka.items() if k != "bootstrap.servers"}
-    settings |= {"enable.idempotence": True, "log_level": 0}
+    settings = {"enable.idempotence": True}
     if config.sink.guarantee == "exactly_once":
         timeout_ms = config.sink.transaction_timeout_ms
         settings |= {"transactional.id": "onceflow-check", "transaction.timeout.ms": timeout_ms}
+    _check_with_librdkafka(
+        config.kafka,
+        settings,
+        re.compile(r"`([^`]+)`"),
+        "librdkafka, for the sink's producer; its transaction.timeout.ms is "
+        f"sink.transaction_timeout, {config.sink.transaction_timeout_ms} ms",
+    )
+
+
+def _check_with_librdkafka(
+    kafka: dict[str, str], extra: dict, names: re.Pattern[str], source: str
+) -> None:
+    """Build a producer of `kafka` (and `extra`) that never connects; librdkafka's refusal
+    becomes a ConfigError naming the first of `kafka`'s settings its message names."""
+    from confluent_kafka import KafkaException, Producer
+
+    settings = {k: v for k, v in kafka.items() if k != "bootstrap.servers"}  # never connect
     try:
-        Producer(settings)
+        Producer({**settings, **extra, "log_level": 0})
     except KafkaException as exc:
         message = exc.args[0].str()
-        named = [n for n in re.findall(r"`([^`]+)`", message) if n in config.kafka]
-        raise ConfigError(
-            f"kafka.{named[0]}" if named else "kafka",
-            f"{message} (librdkafka, for the sink's producer; its transaction.timeout.ms is "
-            f"sink.transaction_timeout, {config.sink.transaction_timeout_ms} ms)",
-        ) from None
+        named = [name for name in names.findall(message) if name in kafka]
+        field = f"kafka.{named[0]}" if named else "kafka"
+        raise ConfigError(field, f"{message} ({source})") from None
 
 
 def _kafka_settings(raw: dict) -> dict[str, str]:
@@ -289,19 +300,10 @@ def _kafka_settings(raw: dict) -> dict[str, str]:
     `sasl.username` (librdkafka's names have no underscores but `log_level`). They are
     checked by building a client that never connects, so a misspelled one fails here, naming
     it."""
-    from confluent_kafka import KafkaException, Producer
-
     kafka = {_librdkafka_name(str(k)): str(v) for k, v in raw.items()}
     if not kafka.get("bootstrap.servers"):
         raise ConfigError("kafka.bootstrap_servers", "is required, e.g. 127.0.0.1:9092")
-    settings = {k: v for k, v in kafka.items() if k != "bootstrap.servers"}  # never connect
-    try:
-        Producer({**settings, "log_level": 0})
-    except KafkaException as exc:
-        message = exc.args[0].str()
-        named = re.search(r'property:? "([^"]+)"', message)
-        field = f"kafka.{named.group(1)}" if named and named.group(1) in kafka else "kafka"
-        raise ConfigError(field, f"{message} (librdkafka)") from None
+    _check_with_librdkafka(kafka, {}, re.compile(r'property:? "([^"]+)"'), "librdkafka")
     return kafka
 
 
