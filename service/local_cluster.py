@@ -25,6 +25,8 @@ class LocalCluster:
     home: Path
     port: int
     size: int = DEFAULT_NODES
+    # Node K also advertises a listener at proxy_ports[K - 1] (see LocalKafka.proxy_port).
+    proxy_ports: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, home: Path, port: int, size: int | None = None) -> LocalCluster:
@@ -56,7 +58,10 @@ class LocalCluster:
         if not 1 <= node_id <= self.size:
             raise LocalKafkaError(f"the cluster on port {self.port} has nodes 1-{self.size}")
         port = self.port + node_id - 1
-        return LocalKafka(self.home, port, node_id=node_id, cluster_ports=self.ports)
+        proxy = self.proxy_ports[node_id - 1] if self.proxy_ports else None
+        return LocalKafka(
+            self.home, port, node_id=node_id, cluster_ports=self.ports, proxy_port=proxy
+        )
 
     def exists(self) -> bool:
         return (self.directory / "nodes").exists()

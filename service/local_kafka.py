@@ -4,7 +4,9 @@ The broker jars come from Maven Central (fetched once with `mvn` into a cache di
 run with the machine's `java`: one combined broker+controller node in KRaft mode on
 127.0.0.1, configured so that transactions work on a single node, or one node of a local
 cluster (local_cluster.py). With `sasl_ssl` it also listens for SASL_SSL clients on its
-port + 3 (see secure_listener).
+port + 3 (see secure_listener). With `proxy_port` it also listens on its port + 5 and
+advertises that listener at the proxy's port, so that clients which bootstrap there reach it
+only through a proxy (the fault tests' slow and broken networks).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ SLF4J_VERSION = "2.0.17"
 DEFAULT_PORT = 9092
 # A cluster's nodes listen for clients on consecutive ports, their controllers 10 above.
 CLUSTER_CONTROLLER_OFFSET = 10
+PROXIED_LISTENER_OFFSET = 5
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 30.0
 
@@ -110,6 +113,7 @@ class LocalKafka:
     sasl_ssl: bool = False
     node_id: int = 1
     cluster_ports: tuple[int, ...] = ()
+    proxy_port: int | None = None
 
     @classmethod
     def from_env(cls) -> LocalKafka:
@@ -140,6 +144,11 @@ class LocalKafka:
     @property
     def controller_port(self) -> int:
         return self.port + (CLUSTER_CONTROLLER_OFFSET if self.cluster_ports else 1)
+
+    @property
+    def proxied_listener_port(self) -> int:
+        """Where the listener that is advertised at `proxy_port` listens."""
+        return self.port + PROXIED_LISTENER_OFFSET
 
     @property
     def replicas(self) -> int:
@@ -366,10 +375,16 @@ class LocalKafka:
             ]
         replicas, min_isr = self.replicas, max(1, self.replicas - 1)
         listeners = [f"PLAINTEXT://127.0.0.1:{self.port}"]
+        advertised = list(listeners)
         protocols = ["PLAINTEXT:PLAINTEXT", "CONTROLLER:PLAINTEXT"]
+        if self.proxy_port is not None:
+            listeners.append(f"PROXIED://127.0.0.1:{self.proxied_listener_port}")
+            advertised.append(f"PROXIED://127.0.0.1:{self.proxy_port}")
+            protocols.append("PROXIED:PLAINTEXT")
         secure: list[str] = []
         if self.sasl_ssl:
             listeners.append(f"SASL_SSL://{self.secure_listener.bootstrap}")
+            advertised.append(listeners[-1])
             protocols.append("SASL_SSL:SASL_SSL")
             secure = self.secure_listener.prepare()
         config = self.config_file
@@ -382,7 +397,7 @@ class LocalKafka:
                     f"node.id={self.node_id}",
                     f"controller.quorum.voters={','.join(voters)}",
                     f"listeners={','.join(listeners)},CONTROLLER://127.0.0.1:{controller_port}",
-                    f"advertised.listeners={','.join(listeners)}",
+                    f"advertised.listeners={','.join(advertised)}",
                     "controller.listener.names=CONTROLLER",
                     f"listener.security.protocol.map={','.join(protocols)}",
                     "inter.broker.listener.name=PLAINTEXT",

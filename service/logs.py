@@ -1,7 +1,9 @@
 """Logging setup: human-readable lines, or one JSON object per line (ONCEFLOW_LOG_FORMAT=json).
 
 Epoch lines carry `app`, `batch_id`, `offsets` and Spark's `phases_ms` as fields, so log
-pipelines can index them.
+pipelines can index them. The level goes to ONCEFLOW_LOG_LEVEL too, which the Python
+processes Spark starts inherit: the sink's commit runs in one of them, and its lines come to
+the same log in the same format (`configure_if_asked`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 import os
 import time
 
+LEVEL_VARIABLE = "ONCEFLOW_LOG_LEVEL"
 EXTRA_FIELDS = ("app", "batch_id", "offsets", "input_records", "duration_ms", "phases_ms")
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -39,3 +42,13 @@ def configure(level: str = "info") -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     logging.getLogger("py4j").setLevel(logging.WARNING)
+    os.environ[LEVEL_VARIABLE] = level
+
+
+def configure_if_asked() -> None:
+    """In a Python process that Spark started for the service (ONCEFLOW_LOG_LEVEL set, no
+    logging set up yet): log as the service does. Elsewhere (the connectors in a user's own
+    Spark application) leave logging alone."""
+    level = os.environ.get(LEVEL_VARIABLE)
+    if level in LEVELS and not logging.getLogger().handlers:
+        configure(level)

@@ -43,9 +43,9 @@ def pytest_addoption(parser) -> None:
     parser.addoption(
         "--nodes",
         type=int,
-        default=1,
-        help="also the fault scenarios on a local Kafka cluster of this many nodes (3: "
-        "tests/fault/test_cluster.py); the default runs against one broker only",
+        default=3,
+        help="nodes of the local Kafka cluster that tests/fault/test_cluster.py starts for its "
+        "scenarios (at least 3; 1 skips them); the default runs against one broker only",
     )
 
 

@@ -1,7 +1,8 @@
 """Exactly-once on a three-node Kafka cluster (three replicas, min ISR 2), as users run Kafka:
 the sink's transaction coordinator dies while the driver commits, then hangs, then every node
-restarts in turn, while a pipeline runs and a read_committed reader watches its output as it
-is written.
+restarts in turn, then one loses its disk; and, on another pipeline, the network between the
+service and the brokers turns slow, loses answers, loses requests and breaks connections.
+A read_committed reader watches each pipeline's output as it is written.
 
 The default run is the short version (a windowed pipeline); `--long` also runs it
 pass-through, where the reader checks that one key's records of one input partition keep
@@ -11,6 +12,7 @@ their order.
 from __future__ import annotations
 
 import itertools
+import re
 import shutil
 import threading
 import time
@@ -27,14 +29,21 @@ from onceflow.local_kafka import LocalKafka
 from tests.fault.live_checker import LiveChecker
 from tests.fault.test_faults import BASE, FLUSH_TS, USERS, Scenario, _click, _committed
 from tests.helpers import free_ports, produce, wait_until
+from tests.tcp_proxy import TO_CLIENT, TO_SERVER, Proxy
 
 pytestmark = pytest.mark.fault
 TRANSACTION_STATE_PARTITIONS = 4  # local_kafka's transaction.state.log.num.partitions
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    cluster = LocalCluster(LocalKafka.from_env().home, free_ports(13), 3)
+def cluster(request):
+    nodes = request.config.getoption("--nodes")
+    if nodes < 3:
+        pytest.skip(f"--nodes {nodes}: the cluster scenarios need three nodes or more")
+    # Ports from the first: clients, proxied listeners (+5), controllers (+10), proxies.
+    port = free_ports(nodes + 10 + nodes)
+    proxies = tuple(range(port + 10 + nodes, port + 10 + 2 * nodes))
+    cluster = LocalCluster(LocalKafka.from_env().home, port, nodes, proxy_ports=proxies)
     try:
         cluster.start(progress=print)
         yield cluster
@@ -48,15 +57,6 @@ def pytest_generate_tests(metafunc) -> None:
         long = metafunc.config.getoption("--long")
         metafunc.parametrize(
             "cluster_pipeline", ["windowed", "pass-through"] if long else ["windowed"]
-        )
-
-
-@pytest.fixture(autouse=True)
-def _three_nodes_asked_for(request):
-    if request.config.getoption("--nodes") < 3:
-        pytest.skip(
-            "runs with --nodes 3 only: not yet in `make test`, until it has passed more "
-            "runs in a row than its last five (README, fault section)"
         )
 
 
@@ -127,6 +127,25 @@ def test_the_coordinator_dies_in_a_commit_then_hangs_then_every_node_restarts_in
         _next_commit(service, commits, before)
         cluster.start_node(node, progress=print)
         stalls[f"node {node} stopped cleanly, then started"] = watch.longest_gap(stopping)
+
+    # 4. A node loses its disk: the coordinator, SIGKILLed, comes back with an empty data
+    #    directory and copies every replica from the other two. Then each of those restarts
+    #    in turn, so that the rebuilt node leads partitions: had it come back without data
+    #    that was committed, the reader would see records vanish or go missing.
+    lost = _transaction_coordinator(cluster, sink)
+    before, killed = _committed(commits), time.monotonic()
+    cluster.node(lost).kill()
+    shutil.rmtree(cluster.node(lost).data_dir)
+    cluster.start_node(lost, progress=print)
+    _next_commit(service, commits, before)
+    stalls[f"node {lost}, the coordinator, lost its disk, back empty"] = watch.longest_gap(killed)
+    for node in range(1, cluster.size + 1):
+        if node != lost:
+            before, stopping = _committed(commits), time.monotonic()
+            cluster.node(node).stop(progress=print)
+            _next_commit(service, commits, before)
+            cluster.start_node(node, progress=print)
+            stalls[f"node {node} restarted, node {lost} rebuilt"] = watch.longest_gap(stopping)
     watch.stop()
 
     app.events = feeder.stop()
@@ -148,6 +167,118 @@ def test_the_coordinator_dies_in_a_commit_then_hangs_then_every_node_restarts_in
         app.check_windows()
     else:
         app.check_pass_through()
+
+
+def test_a_slow_then_broken_network_between_the_service_and_the_brokers(
+    cluster, tmp_path, monkeypatch
+):
+    """The service reaches the cluster only through a proxy per node (the feeder and the
+    reader do not): first slow, then losing the commit's answer, then losing requests, then
+    cutting every connection, then cutting them while a restarted service starts."""
+    proxies = [
+        Proxy(cluster.proxy_ports[k - 1], ("127.0.0.1", cluster.node(k).proxied_listener_port))
+        for k in range(1, cluster.size + 1)
+    ]
+    topics = {n: _topic(cluster, n) for n in ("in", "out", "dlq", "late")}
+    feeder = Feeder(cluster.bootstrap, topics["in"])
+    app = Scenario(cluster.bootstrap, topics, [], tmp_path, long=False)
+    pipeline = app.pipeline(
+        windowed=True,
+        kafka={"bootstrap_servers": ",".join(proxy.address for proxy in proxies)},
+        source={"max_records_per_batch": 2_000},
+        event_time={"watermark_delay": "30s"},
+    )
+    checker = LiveChecker(cluster.bootstrap, topics["out"], partitions=3, identity=_window)
+    commits = app.tmp / "checkpoint" / "commits"
+    held = tmp_path / "held"
+    monkeypatch.setenv("ONCEFLOW_FAULT_HOLD_FILE", str(held))
+    stalls = {}
+
+    def every_link(fault: str, *args) -> None:
+        for proxy in proxies:
+            getattr(proxy, fault)(*args)
+
+    try:
+        # 1. A slow link from the start: every answer comes 0.2 s later (0.1 s each way),
+        #    through the start-up's marker read and init_transactions and eight epochs.
+        every_link("delay", 0.1)
+        service = app.service(pipeline, fault="hold:before_kafka_commit@8")
+        started = time.monotonic()
+        wait_until(lambda: held.exists() or service.process.poll() is not None, 240, "epoch 8")
+        assert service.process.poll() is None, service.tail()
+        slow_start = time.monotonic() - started
+        every_link("delay", 0)
+        watch = CommitWatch(commits)
+
+        # 2. The commit's answer lost: epoch 8's EndTxn reaches the coordinator, but nothing
+        #    comes back for 8 s, longer than the clients wait for an answer.
+        before, lost = _committed(commits), time.monotonic()
+        every_link("hold", TO_CLIENT)
+        held.unlink()
+        wait_until(lambda: "the Kafka commit of" in service.log.read_text(), 30, "stall report")
+        time.sleep(max(0, 8 - (time.monotonic() - lost)))  # the fault's length
+        every_link("release")
+        _next_commit(service, commits, before)
+        stalls["answers lost for 8 s, in epoch 8's commit"] = watch.longest_gap(lost)
+
+        # 3. Requests lost: nothing reaches the brokers for 8 s.
+        before, lost = _committed(commits), time.monotonic()
+        every_link("hold", TO_SERVER)
+        time.sleep(8)  # the fault's length
+        every_link("release")
+        _next_commit(service, commits, before)
+        stalls["requests lost for 8 s"] = watch.longest_gap(lost)
+
+        # 4. Every connection cut twice a second for 10 s: in fetches, produces and commits.
+        before, cutting = _committed(commits), time.monotonic()
+        cuts = 0
+        while time.monotonic() - cutting < 10:
+            cuts += sum(proxy.cut() for proxy in proxies)
+            time.sleep(0.5)  # the fault's rhythm
+        _next_commit(service, commits, before)
+        stalls[f"every connection cut twice a second for 10 s ({cuts} cut)"] = watch.longest_gap(
+            cutting
+        )
+        watch.stop()
+
+        # 5. A restart while connections break: cut every second until the new service has
+        #    read its last marker, so that the cuts land in init_transactions and that read.
+        assert service.terminate() == 0, service.tail()
+        before = _committed(commits)
+        service = app.service(pipeline)
+        restarted, cuts_before_ready = time.monotonic(), 0
+        while not re.search(r"TransactionalPublisher producer \S+ ready", service.log.read_text()):
+            assert service.process.poll() is None, service.tail()
+            assert time.monotonic() - restarted < 180, service.tail()
+            cuts_before_ready += sum(proxy.cut() for proxy in proxies)
+            time.sleep(1)  # the fault's rhythm
+        assert cuts_before_ready > 0
+        _next_commit(service, commits, before)
+        stalls[
+            f"a restart, connections cut each second until it was ready ({cuts_before_ready} cut)"
+        ] = time.monotonic() - restarted
+    finally:
+        every_link("release")
+        every_link("delay", 0)
+
+    app.events = feeder.stop()
+    assert service.terminate() == 0, service.tail()
+    produce(cluster.bootstrap, topics["in"], [(b"u0", _click("u0", FLUSH_TS), 0)])
+    app.drain(pipeline)
+    for proxy in proxies:
+        proxy.close()
+    figures = checker.finish()
+    print(f"network between the service and a cluster of 3: epoch 8 {slow_start:.1f} s after a")
+    print("start through a link 0.2 s slow; then the longest time without a commit")
+    for fault, seconds in stalls.items():
+        print(f"  {fault}: {seconds:.1f} s")
+    print(
+        f"read_committed during the faults: {figures['seen_live']} records, "
+        f"{len(figures['duplicates'])} published twice, {len(figures['vanished'])} seen then "
+        f"gone; {figures['final']} at the end"
+    )
+    assert figures["duplicates"] == figures["vanished"] == []
+    app.check_windows()
 
 
 class Feeder:

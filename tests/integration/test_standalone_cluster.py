@@ -89,7 +89,7 @@ def network(kafka_bootstrap: str, tmp_path: Path) -> Iterator[Network]:
             [*inside, "ip", "link", "set", "lo", "up"],
         ):
             subprocess.run(command, check=True, capture_output=True)
-        relay = [sys.executable, "-m", "tests.tcp_relay"]
+        relay = [sys.executable, "-m", "tests.tcp_proxy"]
         for prefix, listen, target in (
             ((), f"{host_address}:{kafka_port}", kafka_bootstrap),
             (inside, kafka_bootstrap, f"{host_address}:{kafka_port}"),
