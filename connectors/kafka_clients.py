@@ -321,11 +321,21 @@ def client_conf(conf: dict[str, str]) -> dict:
 def admin(conf: dict[str, str]) -> AdminClient:
     """The process' admin client for `conf`. Its metadata look-ups never create a topic: the
     client is a producer to librdkafka, and a producer's look-up of a missing topic creates
-    it where the broker allows auto-creation (Kafka's default)."""
+    it where the broker allows auto-creation (Kafka's default).
+
+    It keeps a connection to every broker (`enable.sparse.connections` off): with sparse
+    connections (librdkafka's default), a request waiting for a leader that is down makes the
+    client reconnect to it in a busy loop, without its backoff (one core for as long as
+    Kafka takes to move the leader)."""
     with _lock:
         key = _key(conf)
         if key not in _admins:
-            _admins[key] = AdminClient({**client_conf(conf), "allow.auto.create.topics": False})
+            settings = {
+                "enable.sparse.connections": False,  # unless the user chose
+                **client_conf(conf),
+                "allow.auto.create.topics": False,
+            }
+            _admins[key] = AdminClient(settings)
         return _admins[key]
 
 

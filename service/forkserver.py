@@ -563,12 +563,11 @@ def _become(request: dict, fds: list[int], sockets: list[socket.socket], pipe: l
             )
             for fd, (encoding, errors) in ((1, encodings[1]), (2, encodings[2]))
         ]
-        if logging := sys.modules.get("logging"):  # set up in the server: onto these
-            for handler in logging.getLogger().handlers:
-                if isinstance(handler, logging.StreamHandler) and not isinstance(
-                    handler, logging.FileHandler
-                ):
-                    handler.setStream(sys.stderr)
+        # The server imported onceflow.connectors without the service's logging settings;
+        # the child has them now (its environment is its asker's).
+        from onceflow import logs
+
+        logs.configure_spark_process()
         # numpy's global random state was seeded once, in the server: each child its own,
         # as each process Spark starts has (Python's `random` reseeds itself on fork).
         if "numpy.random" in sys.modules:

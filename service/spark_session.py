@@ -11,7 +11,7 @@ import sys
 import threading
 from collections.abc import Mapping
 
-from . import class_archive, forkserver
+from . import class_archive, forkserver, logs
 
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 
@@ -95,7 +95,7 @@ def build_session(
     # pyspark's Py4J converters import pandas and pyarrow (`pyspark.testing.utils`) at the
     # first call into the JVM: imported while the JVM starts, they are there by then.
     importing = _import_in_background("pyarrow", "pandas")
-    with forkserver.spark_python(launcher):
+    with forkserver.spark_python(launcher), logs.for_spark_processes():
         spark = builder.getOrCreate()
     if importing is not None:
         importing.join()

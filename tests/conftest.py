@@ -45,7 +45,7 @@ def pytest_addoption(parser) -> None:
         type=int,
         default=3,
         help="nodes of the local Kafka cluster that tests/fault/test_cluster.py starts for its "
-        "scenarios (at least 3; 1 skips them); the default runs against one broker only",
+        "scenarios (3 to 5; 1 skips them)",
     )
 
 
