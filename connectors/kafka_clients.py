@@ -46,6 +46,10 @@ REQUEST_TIMEOUT_S = 15  # a request made once
 # One attempt of a retried look-up (kafka_request): an attempt waiting for a leader that
 # died or hangs is given up sooner, and the next one goes where the refreshed metadata says.
 ATTEMPT_TIMEOUT_S = 5
+# An offset look-up's attempt: a live leader answers ListOffsets from memory, at once. One
+# sent to a leader that hangs is given up after this, and the next goes where the refreshed
+# metadata says, so that a hung node costs about what a dead one does.
+OFFSETS_ATTEMPT_TIMEOUT_S = 2
 PREFETCH_MESSAGES = 20_000
 DEFAULT_RETRY_BUDGET_S = 60.0
 
@@ -453,7 +457,7 @@ def _list_offsets(
     if not request:
         return {}
     futures = admin(conf).list_offsets(
-        request, isolation_level=isolation, request_timeout=ATTEMPT_TIMEOUT_S
+        request, isolation_level=isolation, request_timeout=OFFSETS_ATTEMPT_TIMEOUT_S
     )
     try:
         offsets = {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}

@@ -324,9 +324,10 @@ def test_a_crash_loop_commits_an_epoch_every_round(app):
     or an impatient liveness probe does): every round still commits an epoch, and the
     output is exactly once."""
     rounds = 10 if app.long else 2
-    # Small epochs: the backlog outlasts every round (a round runs ~20 of them), so a round
-    # without a commit is the service's fault, never a lack of input.
-    per_batch = len(app.events) // (rounds * 50)
+    # Small epochs: the backlog outlasts every round (a round of 30 s ran up to 58 of them on
+    # the 2-core CI machine; room here for 200), so a round without a commit is the service's
+    # fault, never a lack of input.
+    per_batch = len(app.events) // (rounds * 200)
     pipeline = app.pipeline(windowed=True, source={"max_records_per_batch": per_batch})
     commits = app.tmp / "checkpoint" / "commits"
     per_round = []
