@@ -327,10 +327,12 @@ def admin(conf: dict[str, str]) -> AdminClient:
     client is a producer to librdkafka, and a producer's look-up of a missing topic creates
     it where the broker allows auto-creation (Kafka's default).
 
-    It keeps a connection to every broker (`enable.sparse.connections` off): with sparse
-    connections (librdkafka's default), a request waiting for a leader that is down makes the
-    client reconnect to it in a busy loop, without its backoff (one core for as long as
-    Kafka takes to move the leader)."""
+    It keeps a connection to every broker (`enable.sparse.connections` off, a property
+    librdkafka does not document): with sparse connections, its default, an admin request
+    waiting for a leader that is down asks for a connection at each of that broker's state
+    changes, and each ask skips the reconnect backoff (librdkafka 2.16, `rd_kafka_broker_
+    find_by_nodeid0` -> `OP_CONNECT`), so the client reconnects in a busy loop, a core for as
+    long as Kafka takes to move the leader. Consumers and producers reconnect with backoff."""
     with _lock:
         key = _key(conf)
         if key not in _admins:
