@@ -46,10 +46,13 @@ REQUEST_TIMEOUT_S = 15  # a request made once
 # One attempt of a retried look-up (kafka_request): an attempt waiting for a leader that
 # died or hangs is given up sooner, and the next one goes where the refreshed metadata says.
 ATTEMPT_TIMEOUT_S = 5
-# An offset look-up's attempt: a live leader answers ListOffsets from memory, at once. One
-# sent to a leader that hangs is given up after this, and the next goes where the refreshed
-# metadata says, so that a hung node costs about what a dead one does.
-OFFSETS_ATTEMPT_TIMEOUT_S = 2
+# An offset look-up's first attempt: a live leader answers ListOffsets from memory, at once.
+# One sent to a leader that hangs (the admin client's cached leader, after Kafka moved it) is
+# given up after this, and the next goes where the refreshed metadata says, so that a hung
+# node costs about what a dead one does. Later attempts wait ATTEMPT_TIMEOUT_S: a broker that
+# is slow to answer (a loaded one, a new TLS connection) is still waited for.
+OFFSETS_FIRST_ATTEMPT_TIMEOUT_S = 2
+_attempt = threading.local()  # the number of the look-up attempt running on this thread
 PREFETCH_MESSAGES = 20_000
 DEFAULT_RETRY_BUDGET_S = 60.0
 
@@ -151,7 +154,11 @@ def _why_unreachable(conf: dict[str, str], since: float, fallback: str) -> str:
         )
     if code == KafkaError._RESOLVE:
         return f"{error.str()}. Check the host names in kafka.bootstrap.servers ({bootstrap})."
-    said = _last_failure_since(conf, since) or (error.str() if error else fallback)
+    # librdkafka logs a connection failure once, then its identical repeats at most once per
+    # REPEAT_WINDOW_S: one logged shortly before the look-up began is still its cause (a
+    # client that keeps a connection to every broker saw the broker go before it was asked).
+    recent = _last_failure_since(conf, since - REPEAT_WINDOW_S)
+    said = recent or (error.str() if error else fallback)
     protocol = conf.get("security.protocol", "plaintext")
     check = (
         f"Check kafka.bootstrap.servers, that the broker is up, and that "
@@ -199,7 +206,18 @@ def _gives_up(retry_state) -> bool:
     return _refused_credentials(last) and retry_state.seconds_since_start >= REFUSAL_GRACE_S
 
 
+def _note_attempt(retry_state) -> None:
+    _attempt.number = retry_state.attempt_number
+
+
+def offsets_attempt_timeout_s() -> float:
+    """How long the running attempt of an offset look-up waits for its answer."""
+    first = getattr(_attempt, "number", 1) == 1
+    return OFFSETS_FIRST_ATTEMPT_TIMEOUT_S if first else ATTEMPT_TIMEOUT_S
+
+
 kafka_retry = retry(
+    before=_note_attempt,
     retry=retry_if_exception(_retriable),
     wait=wait_exponential(multiplier=0.2, max=5),
     stop=_gives_up,
@@ -459,7 +477,7 @@ def _list_offsets(
     if not request:
         return {}
     futures = admin(conf).list_offsets(
-        request, isolation_level=isolation, request_timeout=OFFSETS_ATTEMPT_TIMEOUT_S
+        request, isolation_level=isolation, request_timeout=offsets_attempt_timeout_s()
     )
     try:
         offsets = {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}

@@ -525,10 +525,11 @@ def test_the_sinks_lines_reach_the_service_log_in_its_format(kafka_bootstrap, ne
     for line in result.stderr.splitlines():
         with contextlib.suppress(ValueError):  # Spark's own lines, not JSON
             lines.append(json.loads(line))
-    sink = [line for line in lines if isinstance(line, dict) and line["logger"] == "onceflow.sink"]
-    assert any("ready; last published batch" in line["message"] for line in sink), result.stderr[
-        -3000:
+    sink = [
+        line for line in lines if isinstance(line, dict) and line.get("logger") == "onceflow.sink"
     ]
+    ready = [line for line in sink if "ready; last published batch" in line["message"]]
+    assert ready, result.stderr[-3000:]
 
 
 def test_an_unreachable_broker_ends_in_one_line_naming_the_address_and_the_cause(tmp_path):

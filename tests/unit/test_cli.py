@@ -9,8 +9,15 @@ from importlib import metadata
 import pytest
 import yaml
 
-from onceflow import cli
+from onceflow import cli, logs
 from onceflow.verify import Report
+
+
+@pytest.fixture(autouse=True)
+def _not_the_service_after(monkeypatch):
+    """cli.main sets this process up as the service (onceflow.logs): not past the test, or a
+    Spark session built later in the same pytest run would take its logging settings."""
+    monkeypatch.setattr(logs, "_service_level", None)
 
 
 @pytest.fixture

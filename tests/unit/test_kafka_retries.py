@@ -29,10 +29,12 @@ class StandInAdmin:
         self.answers = answers
         self.metadata_error = metadata_error
         self.requests = 0
+        self.timeouts: list[float] = []
 
-    def list_offsets(self, request, **_):
+    def list_offsets(self, request, request_timeout=None, **_):
         answer = self.answers[min(self.requests, len(self.answers) - 1)]
         self.requests += 1
+        self.timeouts.append(request_timeout)
         futures = {}
         for tp in request:
             future: Future = Future()
@@ -83,6 +85,18 @@ def test_a_partition_that_stays_leaderless_is_named_as_such(stand_in):
         kafka_clients.stable_ends(CONF, [("in", 0)])
     assert "No leaders found" in str(raised.value)
     assert "Check that every partition of the subscribed topics has a leader" in str(raised.value)
+
+
+def test_an_offset_look_up_gives_its_first_attempt_2_s_and_the_next_ones_5(stand_in):
+    """A live leader answers at once: a first attempt that waits 2 s in vain went to a leader
+    that hangs (asked again where the refreshed metadata says); a broker slow to answer, or
+    a new TLS connection, still gets 5 s on the next attempts, and every look-up starts
+    over at 2 s."""
+    timed_out = KafkaError(KafkaError._TIMED_OUT, "timed out")
+    client = stand_in(StandInAdmin([timed_out, timed_out, 42, 43]))
+    assert kafka_clients.stable_ends(CONF, [("in", 0)]) == {("in", 0): 42}
+    assert kafka_clients.stable_ends(CONF, [("in", 0)]) == {("in", 0): 43}
+    assert client.timeouts == [2, 5, 5, 2]
 
 
 def test_a_partition_answered_without_an_offset_is_asked_again(stand_in):

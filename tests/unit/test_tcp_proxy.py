@@ -70,7 +70,7 @@ def test_latency_is_added_once_per_direction_not_once_per_chunk(proxy):
         client.sendall(b"a" * 300_000)  # several chunks
         assert _answer(client, 300_000) == b"a" * 300_000
         took = time.monotonic() - started
-    assert 0.4 <= took < 1.0
+    assert 0.4 <= took < 2.0  # one delay each way, not one per chunk
 
 
 def test_a_held_direction_delivers_nothing_until_released(proxy):
