@@ -155,9 +155,11 @@ def _why_unreachable(conf: dict[str, str], since: float, fallback: str) -> str:
     if code == KafkaError._RESOLVE:
         return f"{error.str()}. Check the host names in kafka.bootstrap.servers ({bootstrap})."
     # librdkafka logs a connection failure once, then its identical repeats at most once per
-    # REPEAT_WINDOW_S: one logged shortly before the look-up began is still its cause (a
-    # client that keeps a connection to every broker saw the broker go before it was asked).
-    recent = _last_failure_since(conf, since - REPEAT_WINDOW_S)
+    # REPEAT_WINDOW_S: one logged shortly before the look-up began, with no request answered
+    # since, is still its cause (a client that keeps a connection to every broker saw the
+    # broker go before it was asked).
+    answered = _last_answers.get(_key(conf), 0.0)
+    recent = _last_failure_since(conf, max(since - REPEAT_WINDOW_S, answered))
     said = recent or (error.str() if error else fallback)
     protocol = conf.get("security.protocol", "plaintext")
     check = (
@@ -264,6 +266,7 @@ LIBRDKAFKA_LOG.addFilter(_repeats)
 # a FAIL line. Both are stamped when delivered, at a poll (see `kafka_request`).
 _last_errors: dict[tuple, tuple[float, KafkaError]] = {}
 _last_failures: dict[tuple, tuple[float, str]] = {}
+_last_answers: dict[tuple, float] = {}  # when a look-up (kafka_request) last succeeded
 
 
 def _last_error_since(conf: dict[str, str], since: float) -> KafkaError | None:
@@ -390,7 +393,9 @@ def kafka_request(call):
     def request(conf: dict[str, str], *args, **kwargs):
         admin(conf).poll(0)
         with reported_if_stalled(f"{what} to {conf.get('bootstrap.servers', '?')}"):
-            return retried(conf, *args, **kwargs)
+            result = retried(conf, *args, **kwargs)
+        _last_answers[_key(conf)] = time.monotonic()
+        return result
 
     return request
 

@@ -108,11 +108,22 @@ def test_a_tls_listener_hanging_up_on_a_plaintext_client_says_which_setting_to_c
     assert "hunter2" not in message
 
 
-def test_an_error_from_before_this_request_is_not_its_cause():
+def test_an_error_from_before_a_request_that_was_answered_is_not_the_cause(monkeypatch):
     conf = {"bootstrap.servers": "b:9098"}
     _report(conf, KafkaError._SSL, "certificate verify failed")
+    monkeypatch.setitem(kafka_clients._last_answers, kafka_clients._key(conf), time.monotonic())
     message = kafka_clients._why_unreachable(conf, time.monotonic() + 1, "Local: Timed out")
     assert "the client's last error: Local: Timed out." in message
+
+
+def test_a_connection_failure_just_before_the_request_is_its_cause():
+    """librdkafka logs a failure, then its identical repeats once per 30 s: a client that
+    keeps a connection to every broker logs the refusal as the broker goes, before the
+    look-up that then fails, and logs nothing new while it is retried."""
+    conf = {"bootstrap.servers": "b:9097"}
+    _report(conf, KafkaError._TRANSPORT, "Connect to ipv4#10.0.0.1:9097 failed: Connection refused")
+    message = kafka_clients._why_unreachable(conf, time.monotonic() + 5, "Local: Timed out")
+    assert "Connection refused" in message
 
 
 def test_an_error_queued_before_a_request_is_not_taken_for_its_cause(monkeypatch):
