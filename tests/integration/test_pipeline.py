@@ -396,12 +396,13 @@ def test_transform_with_keyed_state_keeps_running_totals(kafka_bootstrap, spark,
         query.stop()
 
 
-def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "onceflow.cli", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
+        env=env,
         timeout=120,
     )
 
@@ -496,30 +497,15 @@ def test_verify_exits_4_with_a_json_report_when_a_record_is_published_twice(
     assert report["ok"] is False and report["duplicates"] == [f"{source}/0/1 x2"]
 
 
-def test_the_sinks_lines_reach_the_service_log_in_its_format(kafka_bootstrap, new_topic, tmp_path):
+def test_the_sinks_lines_reach_the_service_log_in_its_format(kafka_bootstrap, topics, tmp_path):
     """The sink commits in a Python process that Spark starts, not in the driver: its lines
     (its last marker, a replay skipped, a stalled commit) must reach the service's log at the
     service's level and in its format (here one JSON object per line), not be dropped (INFO)
     or come as bare text (WARNING)."""
-    source, out = new_topic(prefix="in"), new_topic(prefix="out")
-    produce(kafka_bootstrap, source, ((None, f"v{i}".encode(), 0) for i in range(3)))
-    path = tmp_path / "pipeline.yaml"
-    raw = {
-        "app_id": "logged",
-        "kafka": {"bootstrap_servers": kafka_bootstrap},
-        "source": {"topics": [source], "format": "raw", "starting_offsets": "earliest"},
-        "sink": {"topic": out},
-        "checkpoint": {"location": str(tmp_path / "ck")},
-        "spark": {"master": "local[1]"},
-    }
-    path.write_text(yaml.safe_dump(raw))
-    result = subprocess.run(
-        [sys.executable, "-m", "onceflow.cli", "run", "--available-now", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "ONCEFLOW_LOG_FORMAT": "json", "ONCEFLOW_LOG_LEVEL": "info"},
-    )
+    produce(kafka_bootstrap, topics["in"], ((None, f"v{i}".encode(), 0) for i in range(3)))
+    path = raw_pipeline(topics, tmp_path, kafka_bootstrap)
+    json_logs = {**os.environ, "ONCEFLOW_LOG_FORMAT": "json", "ONCEFLOW_LOG_LEVEL": "info"}
+    result = cli("run", "--available-now", str(path), env=json_logs)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = []
     for line in result.stderr.splitlines():
