@@ -51,6 +51,15 @@ class KafkaUnreachableError(OnceflowError):
     client's last error (connection refused, name resolution, TLS, authentication)."""
 
 
+class RegistryUnreachableError(OnceflowError):
+    """The schema registry did not answer within the retry budget; the message names its URL."""
+
+
+class RegistryRefusedError(OnceflowError):
+    """The schema registry answered with a refusal (an incompatible schema, bad credentials);
+    the message carries the registry's own words."""
+
+
 KINDS: dict[str, type[OnceflowError]] = {
     kind.__name__: kind
     for kind in (
@@ -62,6 +71,8 @@ KINDS: dict[str, type[OnceflowError]] = {
         StagingError,
         CheckpointClaimError,
         KafkaUnreachableError,
+        RegistryUnreachableError,
+        RegistryRefusedError,
     )
 }
 _IN_TEXT = re.compile(r"(?:onceflow\S*\.)?(" + "|".join(KINDS) + r"): (.*)")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the test suite against a real Kafka broker: KAFKA_BOOTSTRAP_SERVERS if set, else
-# onceflow's local broker (started here, and stopped here if this script started it).
+# onceflow's local broker (started here, and stopped here if this script started it); and a
+# real schema registry: SCHEMA_REGISTRY_URL if set, else onceflow's local one, the same way.
 # pytest's "no tests collected" (exit 5) is a failure, never a silent pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,16 +30,24 @@ install_prometheus() {
 install_prometheus
 
 started_broker=0
-stop_broker() {
+started_registry=0
+stop_services() {
+  if [ "$started_registry" = 1 ]; then "$onceflow" registry stop || true; fi
   if [ "$started_broker" = 1 ]; then "$onceflow" kafka stop || true; fi
 }
-trap stop_broker EXIT
+trap stop_services EXIT
 
 if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
   if ! "$onceflow" kafka status >/dev/null 2>&1; then
     started_broker=1
   fi
   "$onceflow" kafka start || { echo "run-tests: could not start the local Kafka broker (see above)" >&2; exit 1; }
+fi
+if [ -z "${SCHEMA_REGISTRY_URL:-}" ]; then
+  if ! "$onceflow" registry status >/dev/null 2>&1; then
+    started_registry=1
+  fi
+  "$onceflow" registry start || { echo "run-tests: could not start the local schema registry (see above)" >&2; exit 1; }
 fi
 
 "$VENV/bin/pytest" "$@"

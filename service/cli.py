@@ -1,9 +1,9 @@
 """The `onceflow` command line.
 
 Exit codes: 0 ok; 1 runtime failure (the last line says what failed and what to do); 2 bad
-configuration; 3 `kafka status`: the local broker is not running; 4 `verify`: the output is
-not exactly once; 130 stopped by Ctrl-C (the epoch it interrupted is replayed on the next
-start; SIGTERM lets `run` finish the epoch and exit 0).
+configuration; 3 `kafka status` / `registry status`: the local service is not running;
+4 `verify`: the output is not exactly once; 130 stopped by Ctrl-C (the epoch it interrupted
+is replayed on the next start; SIGTERM lets `run` finish the epoch and exit 0).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from . import config as pipeline_config
 from . import logs
 from .local_cluster import LocalCluster
 from .local_kafka import LocalKafka, LocalKafkaError
+from .local_process import LocalServiceError
+from .local_registry import LocalRegistry
 from .secure_listener import SecureListenerError
 
 EXIT_OK = 0
@@ -58,6 +60,20 @@ def _kafka(args: argparse.Namespace) -> int:
         print(state)
         running = all(line.split(": ", 1)[-1].startswith("running") for line in state.splitlines())
         return EXIT_OK if running else EXIT_BROKER_NOT_RUNNING
+    return EXIT_OK
+
+
+def _registry(args: argparse.Namespace) -> int:
+    registry = LocalRegistry.from_env()
+    if args.action == "start":
+        registry.start()
+    elif args.action == "stop":
+        if not registry.stop():
+            print("The schema registry is not running")
+    else:
+        state = registry.status()
+        print(state)
+        return EXIT_OK if state.startswith("running") else EXIT_BROKER_NOT_RUNNING
     return EXIT_OK
 
 
@@ -180,6 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
         "own) on the broker's port + 3; start names the file with the client settings",
     )
     kafka.set_defaults(handler=_kafka)
+
+    registry = commands.add_parser(
+        "registry",
+        help="a local Confluent-compatible schema registry (Apicurio Registry, from Maven "
+        "Central) at http://127.0.0.1:8081/apis/ccompat/v7 (ONCEFLOW_REGISTRY_PORT)",
+    )
+    registry.add_argument(
+        "action", choices=["start", "stop", "status"], help="status exits 0 when it runs, 3 if not"
+    )
+    registry.set_defaults(handler=_registry)
     return parser
 
 
@@ -216,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     except OnceflowError as exc:
         print(f"onceflow: {exc}", file=sys.stderr)
         return exc.exit_code
-    except (LocalKafkaError, SecureListenerError) as exc:
+    except (LocalServiceError, SecureListenerError) as exc:
         print(f"onceflow: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from onceflow.connectors.errors import EXIT_BAD_CONFIG, OnceflowError
+from onceflow.connectors.registry import RegistrySettings
 
 ENV_PREFIX = "ONCEFLOW_"
 AGGREGATE_FUNCTIONS = ("count", "sum", "min", "max", "avg", "approx_count_distinct")
@@ -32,6 +33,11 @@ _UNIT_MS = {
 _AGGREGATION = re.compile(r"^\s*([a-z_]+)\s*\(\s*(\*|[A-Za-z_][A-Za-z0-9_.]*)\s*\)\s*$")
 _REFERENCE = re.compile(r"\$\{([^}]+)\}")
 _APP_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+# Avro records: schemaless bodies (the reader knows the schema), or the Confluent wire format
+# (a schema id in front of each value, the writer schema in a registry), as Flink names them.
+AVRO_FORMATS = ("avro", "avro-confluent")
+# Sections whose values are strings as written: a password `on` or `0123` stays a string.
+VERBATIM_SECTIONS = ("kafka", "registry")
 
 
 class ConfigError(OnceflowError, ValueError):
@@ -91,6 +97,12 @@ class SinkConfig:
     # How long an epoch's transaction may stay open before the broker aborts it; at most the
     # broker's transaction.max.timeout.ms (15 min by default).
     transaction_timeout_ms: int = 60_000
+    subject: str | None = None  # avro-confluent: where the result schema is registered
+
+    @property
+    def value_subject(self) -> str:
+        """The registry subject of the results' schema: Confluent's `<topic>-value` default."""
+        return self.subject or f"{self.topic}-value"
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,7 @@ class PipelineConfig:
     spark_conf: dict[str, str] = field(default_factory=dict)
     metrics_port: int | None = 9108
     stall_timeout_ms: int = 300_000
+    registry: RegistrySettings | None = None
     base_dir: Path = Path(".")
 
     @property
@@ -118,7 +131,7 @@ class PipelineConfig:
         """Top-level fields of the decoded input record, from the DDL or the Avro schema."""
         if self.source.format == "json":
             return ddl_field_names(self.source.schema or "")
-        if self.source.format == "avro":
+        if self.source.format in AVRO_FORMATS:
             return [f["name"] for f in load_avro_schema(self, "source.schema_file")["fields"]]
         return []
 
@@ -174,8 +187,8 @@ def apply_env_overrides(raw: dict, environ: Mapping[str, str]) -> None:
 
     Only names with a double underscore are overrides (ONCEFLOW_HOME and friends are not).
     Values are read as YAML scalars, so numbers and booleans keep their types; except in the
-    `kafka` section, whose librdkafka settings are strings: a password `on` or `0123` must
-    not become `True` or `83`.
+    `kafka` and `registry` sections, whose settings are strings: a password `on` or `0123`
+    must not become `True` or `83`.
     """
     for name, value in sorted(environ.items()):
         if not name.startswith(ENV_PREFIX) or "__" not in name:
@@ -186,7 +199,7 @@ def apply_env_overrides(raw: dict, environ: Mapping[str, str]) -> None:
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
                 raise ConfigError(".".join(keys), f"environment variable {name} cannot apply")
-        verbatim = keys[0] == "kafka" or not value
+        verbatim = keys[0] in VERBATIM_SECTIONS or not value
         node[keys[-1]] = value if verbatim else yaml.safe_load(value)
 
 
@@ -203,6 +216,7 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
         "checkpoint",
         "spark",
         "metrics",
+        "registry",
     )
     app_id = top.string("app_id", required=True)
     if not _APP_ID.match(app_id):
@@ -212,6 +226,16 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
 
     source = _source(_Section(top.mapping("source", required=True), "source"))
     sink = _sink(_Section(top.mapping("sink", required=True), "sink"))
+    registry = None
+    if "registry" in raw:
+        registry = _registry(_Section(top.mapping("registry"), "registry"))
+    for section, fmt in (("source", source.format), ("sink", sink.format)):
+        if fmt == "avro-confluent" and registry is None:
+            raise ConfigError(
+                "registry.url",
+                f"is required for {section}.format avro-confluent: the schema registry's URL, "
+                "e.g. http://127.0.0.1:8081/apis/ccompat/v7",
+            )
 
     event = _Section(top.mapping("event_time"), "event_time")
     event.only("field", "watermark_delay")
@@ -253,6 +277,7 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
         spark_conf={str(k): str(v) for k, v in spark.mapping("conf").items()},
         metrics_port=metrics.integer("port", default=9108, minimum=0),
         stall_timeout_ms=metrics.duration("stall_timeout", default="5m"),
+        registry=registry,
         base_dir=base_dir,
     )
     _check_fields(config)
@@ -327,7 +352,7 @@ def _source(s: _Section) -> SourceConfig:
         topics = [topics]
     if not isinstance(topics, list) or not topics or not all(isinstance(t, str) for t in topics):
         raise ConfigError("source.topics", "must be a non-empty list of topic names")
-    fmt = s.choice("format", ("json", "avro", "raw"), default="json")
+    fmt = s.choice("format", ("json", *AVRO_FORMATS, "raw"), default="json")
     schema = s.string("schema")
     if fmt == "json" and not schema:
         raise ConfigError(
@@ -336,8 +361,12 @@ def _source(s: _Section) -> SourceConfig:
             '"user STRING, bytes LONG, ts LONG"',
         )
     schema_file = s.string("schema_file")
-    if fmt == "avro" and not schema_file:
-        raise ConfigError("source.schema_file", "is required for format avro: a path to an .avsc")
+    if fmt in AVRO_FORMATS and not schema_file:
+        raise ConfigError(
+            "source.schema_file",
+            f"is required for format {fmt}: a path to an .avsc"
+            + (" (the reader schema writer schemas resolve to)" if fmt != "avro" else ""),
+        )
     return SourceConfig(
         topics=topics,
         starting_offsets=s.choice("starting_offsets", ("earliest", "latest"), default="latest"),
@@ -359,6 +388,7 @@ def _sink(s: _Section) -> SinkConfig:
         "marker_topic",
         "guarantee",
         "transaction_timeout",
+        "subject",
     )
     timeout_ms = s.duration("transaction_timeout", default="60s")
     if timeout_ms < 1_000:
@@ -368,12 +398,35 @@ def _sink(s: _Section) -> SinkConfig:
         )
     return SinkConfig(
         topic=s.string("topic", required=True),
-        format=s.choice("format", ("json", "avro"), default="json"),
+        format=s.choice("format", ("json", *AVRO_FORMATS), default="json"),
+        subject=s.string("subject"),
         dead_letter_topic=s.string("dead_letter_topic"),
         late_topic=s.string("late_topic"),
         marker_topic=s.string("marker_topic"),
         guarantee=s.choice("guarantee", ("exactly_once", "at_least_once"), default="exactly_once"),
         transaction_timeout_ms=timeout_ms,
+    )
+
+
+def _registry(s: _Section) -> RegistrySettings:
+    s.only(
+        "url",
+        "basic_auth_user_info",
+        "ssl_ca_location",
+        "ssl_certificate_location",
+        "ssl_key_location",
+        "ssl_key_password",
+    )
+    url = s.string("url", required=True)
+    if not re.match(r"^https?://[^/]", url):
+        raise ConfigError("registry.url", "must be an http:// or https:// URL")
+    return RegistrySettings(
+        url=url,
+        basic_auth_user_info=s.string("basic_auth_user_info"),
+        ssl_ca_location=s.string("ssl_ca_location"),
+        ssl_certificate_location=s.string("ssl_certificate_location"),
+        ssl_key_location=s.string("ssl_key_location"),
+        ssl_key_password=s.string("ssl_key_password"),
     )
 
 

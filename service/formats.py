@@ -1,22 +1,26 @@
-"""The record formats, each with its decoding and its encoding: json, avro and raw.
+"""The record formats, each with its decoding and its encoding: json, avro, avro-confluent, raw.
 
 Input records are decoded in the router (`routing.py`): a value that does not decode becomes a
 dead letter whose `onceflow.error` header says why. Window results are encoded for the sink:
 JSON values look like {"key": ..., "window_start": <ms>, "window_end": <ms>, "<agg>": ...};
-Avro values are schemaless Avro (no registry framing) of the record schema `avro_schema`
-derives from the result columns. One table maps Avro types to Spark and Arrow types.
+Avro values are schemaless Avro of the record schema `avro_schema` derives from the result
+columns; avro-confluent values are the same bodies in the Confluent wire format, the schema
+registered in a schema registry. One table maps Avro types to Spark and Arrow types.
 """
 
 from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache, partial
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import DataType, StructType
+
+from onceflow.connectors import registry as registry_wire
+from onceflow.connectors.registry import RegistryClient, RegistrySettings, UnknownSchemaId
 
 # Avro type -> (Spark SQL type, pyarrow type factory): flat records of these, nullable or not.
 AVRO_TYPES = {
@@ -68,34 +72,64 @@ def json_error(value: bytes, ddl: str) -> str:
 
 
 def decode_avro(
-    schema_json: str | None, fields: tuple[str, ...], values: list
+    schema_json: str | None,
+    fields: tuple[str, ...],
+    values: list,
+    registry: RegistrySettings | None = None,
 ) -> tuple[dict, list[str | None]]:
-    """Decoded fields as Arrow arrays, and a reason for every value that is not Avro of the
-    schema (or has bytes left over)."""
+    """Decoded fields as Arrow arrays, and a reason for every value that does not decode.
+
+    Without `registry` a value is a schemaless Avro body of the schema. With it, a value is
+    in the Confluent wire format: its writer schema comes from the registry by id and is
+    resolved to the schema (the reader's). A registry that does not answer raises: the
+    epoch fails rather than dead-lettering records that are fine.
+    """
     import pyarrow as pa
     from fastavro import schemaless_reader
 
-    schema = parsed_avro_schema(schema_json)
+    reader = parsed_avro_schema(schema_json)
+    client = RegistryClient(registry) if registry is not None else None
     columns: dict[str, list] = {f: [] for f in fields}
     reasons: list[str | None] = []
     for value in values:
         record, reason = None, None
         if value is None:
             reason = "record value is null"
+        elif client is None:
+            record, reason = _read_avro(schemaless_reader, value, reader, None, "schema")
         else:
             try:
-                buffer = io.BytesIO(value)
-                record = schemaless_reader(buffer, schema, None)
-                if buffer.tell() != len(value):
-                    raise ValueError(f"{len(value) - buffer.tell()} bytes left over")
-            except Exception as exc:  # fastavro raises many kinds for corrupt bytes
-                reason = f"value is not Avro of schema {schema.get('name')!r}: {exc}"
-                record = None
+                schema_id, body = registry_wire.unframe(value)
+                writer = _writer_schema(client, schema_id)
+            except (ValueError, UnknownSchemaId) as exc:
+                reason = str(exc)
+            else:
+                what = f"writer schema id {schema_id}"
+                record, reason = _read_avro(schemaless_reader, body, writer, reader, what)
         reasons.append(reason)
         for f in fields:
             columns[f].append(record.get(f) if record else None)
     types = avro_arrow_types(json.loads(schema_json or "{}"))
     return {f: pa.array(columns[f], types[f]) for f in fields}, reasons
+
+
+def _read_avro(read, body: bytes, writer: dict, reader: dict | None, what: str):
+    """(record, None), or (None, why the body is not Avro of `writer` resolved to `reader`)."""
+    try:
+        buffer = io.BytesIO(body)
+        record = read(buffer, writer, reader)
+        if buffer.tell() != len(body):
+            raise ValueError(f"{len(body) - buffer.tell()} bytes left over")
+    except Exception as exc:  # fastavro raises many kinds for corrupt bytes
+        name = (reader or writer).get("name")
+        if type(exc).__name__ == "SchemaResolutionError":
+            return None, f"{what} does not resolve to the reader schema {name!r}: {exc}"
+        return None, f"value is not Avro of {what} {writer.get('name')!r}: {exc}"
+    return record, None
+
+
+def _writer_schema(client: RegistryClient, schema_id: int) -> dict:
+    return parsed_avro_schema(json.dumps(client.schema_by_id(schema_id), sort_keys=True))
 
 
 @cache
@@ -134,15 +168,22 @@ def avro_arrow_types(schema: dict) -> dict:
 # -- encoding results ----------------------------------------------------------------------
 
 
-def encode(result: DataFrame, fmt: str) -> DataFrame:
+def encode(result: DataFrame, fmt: str, registered: Callable[[dict], int] | None = None):
+    """Key and value columns of the results. avro-confluent values carry the id that
+    `registered` gives the results' schema (it registers it: a refusal stops the run here,
+    before the query starts and anything is produced)."""
     key_type = result.schema["key"].dataType
     key = F.to_json("key") if isinstance(key_type, StructType) else F.col("key").cast("string")
     if fmt == "json":
         return result.select(key.alias("key"), F.to_json(F.struct(*result.columns)).alias("value"))
     schema = avro_schema(result.schema)
+    schema_id = None
+    if fmt == "avro-confluent":
+        assert registered is not None
+        schema_id = registered(schema)
     keyed = result.select(key.alias("_record_key"), F.struct(*result.columns).alias("_row"))
     out = StructType.fromDDL("key STRING, value BINARY")
-    return keyed.mapInArrow(partial(_encode_avro, json.dumps(schema)), out)
+    return keyed.mapInArrow(partial(_encode_avro, json.dumps(schema), schema_id), out)
 
 
 def avro_schema(schema: StructType, name: str = "WindowResult") -> dict:
@@ -166,7 +207,7 @@ def _avro_type(data_type: DataType, name: str):
     )
 
 
-def _encode_avro(schema_json: str, batches: Iterator) -> Iterator:
+def _encode_avro(schema_json: str, schema_id: int | None, batches: Iterator) -> Iterator:
     import pyarrow as pa
     from fastavro import parse_schema, schemaless_writer
 
@@ -176,7 +217,8 @@ def _encode_avro(schema_json: str, batches: Iterator) -> Iterator:
         for row in batch.column("_row").to_pylist():
             buffer = io.BytesIO()
             schemaless_writer(buffer, schema, row)
-            values.append(buffer.getvalue())
+            body = buffer.getvalue()
+            values.append(body if schema_id is None else registry_wire.frame(schema_id, body))
         yield pa.RecordBatch.from_arrays(
             [batch.column("_record_key"), pa.array(values, pa.binary())], names=["key", "value"]
         )

@@ -12,21 +12,25 @@ only through a proxy (the fault tests' slow and broken networks).
 from __future__ import annotations
 
 import base64
-import contextlib
-import fcntl
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import local_process
+from .local_process import (
+    LocalServiceError,
+    locked,
+    port_open,
+    require_tool,
+    wait_exit,
+)
 from .secure_listener import SecureListener
 
 KAFKA_VERSION = "4.1.1"
@@ -98,7 +102,7 @@ def new_cluster_id() -> str:
             return cluster_id
 
 
-class LocalKafkaError(RuntimeError):
+class LocalKafkaError(LocalServiceError):
     """The local broker could not be set up or started; the message says what to do."""
 
 
@@ -201,7 +205,7 @@ class LocalKafka:
         """True when a broker on our port answers a metadata request."""
         from confluent_kafka.admin import AdminClient
 
-        if not _port_open(self.port):
+        if not port_open(self.port):
             return False
         admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
         try:
@@ -212,7 +216,7 @@ class LocalKafka:
     def status(self) -> str:
         pid = self.pid()
         if pid is None:
-            if _port_open(self.port):
+            if port_open(self.port):
                 return f"not running (port {self.port} is taken by another process)"
             return "not running"
         if self.answers():
@@ -249,7 +253,7 @@ class LocalKafka:
         once a majority of them runs); its pid, and whether it was started here. A new data
         directory is formatted for `cluster_id` (a new id if None)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        with self._lock():
+        with locked(self.run_dir / "start.lock"):
             pid = self.pid()
             if pid is not None:
                 if self.sasl_ssl and not self._listens_sasl_ssl():
@@ -259,12 +263,12 @@ class LocalKafka:
                         "with --sasl-ssl"
                     )
                 return pid, False
-            if _port_open(self.port):
+            if port_open(self.port):
                 raise LocalKafkaError(
                     f"port {self.port} is in use by a process that is not onceflow's broker. "
                     "Stop it, or pick another port with ONCEFLOW_KAFKA_PORT=<port>."
                 )
-            java = _require(
+            java = require_tool(
                 "java", "a Java 17+ runtime (Debian: apt-get install openjdk-17-jre-headless)"
             )
             self.fetch_jars(progress)
@@ -289,14 +293,8 @@ class LocalKafka:
         if pid is None:
             self.pid_file.unlink(missing_ok=True)
             return False
-        progress(f"Stopping Kafka (pid {pid}) ...")
-        os.kill(pid, signal.SIGTERM)
-        if not _wait_exit(pid, STOP_TIMEOUT_S):
-            progress(f"Kafka did not stop within {STOP_TIMEOUT_S:.0f}s; killing it")
-            os.kill(pid, signal.SIGKILL)
-            _wait_exit(pid, 10)
+        local_process.stop(pid, "Kafka", STOP_TIMEOUT_S, progress)
         self.pid_file.unlink(missing_ok=True)
-        progress("Kafka stopped")
         return True
 
     def kill(self) -> None:
@@ -304,7 +302,7 @@ class LocalKafka:
         pid = self.pid()
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
-            _wait_exit(pid, 10)
+            wait_exit(pid, 10)
 
     def pause(self, paused: bool = True) -> None:
         """SIGSTOP the broker (a hung node: its connections stay open, nothing answers), or
@@ -321,7 +319,7 @@ class LocalKafka:
         marker = self.libs / ".complete"
         if marker.exists():
             return
-        mvn = _require("mvn", "Apache Maven (Debian: apt-get install maven)")
+        mvn = require_tool("mvn", "Apache Maven (Debian: apt-get install maven)")
         build = self.libs.parent / "pom"
         build.mkdir(parents=True, exist_ok=True)
         (build / "pom.xml").write_text(POM)
@@ -447,74 +445,9 @@ class LocalKafka:
             )
 
     def _wait_ready(self, pid: int, progress: Callable[[str], None]) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        next_note = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.answers(timeout=1.0):
-                return
-            if not _alive(pid):
-                raise LocalKafkaError(
-                    f"Kafka exited during startup. Its log {self.log_file} ends with:\n"
-                    + _tail(self.log_file)
-                )
-            if time.monotonic() > next_note:
-                progress("  still waiting for Kafka to answer metadata requests ...")
-                next_note = time.monotonic() + 10
-            time.sleep(0.2)
-        raise LocalKafkaError(
-            f"Kafka did not answer within {START_TIMEOUT_S:.0f}s; see {self.log_file}, "
-            "then `onceflow kafka stop` and start again."
+        local_process.wait_ready(
+            lambda: self.answers(1.0), pid, "Kafka", self.log_file, START_TIMEOUT_S, progress
         )
-
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
-        with open(self.run_dir / "start.lock", "w") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _require(tool: str, what: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        raise LocalKafkaError(f"`{tool}` is not on PATH: install {what}, then try again.")
-    return path
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie child (exited, not yet reaped) still answers kill(0); /proc tells the truth.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_exit(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
 
 
 def _mb(paths: list[Path]) -> float:

@@ -16,10 +16,11 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import StructField, StructType, TimestampType
 
+from onceflow.connectors.registry import RegistryClient
 from onceflow.connectors.sink import ForeachBatchSink
 
 from . import formats
-from .config import ConfigError, PipelineConfig, load_avro_schema
+from .config import AVRO_FORMATS, ConfigError, PipelineConfig, load_avro_schema
 from .formats import avro_field_types
 from .routing import CORRUPT, HEADER_SOURCE, SOURCE_META, RoutePlan, route
 
@@ -85,7 +86,7 @@ def routed_stream(
             ),
         )
         fields = [f for f in staged.schema["_data"].dataType.fields if f.name != CORRUPT]
-    elif source.format == "avro":
+    elif source.format in AVRO_FORMATS:
         avro_schema = load_avro_schema(config, "source.schema_file")
         types = avro_field_types(avro_schema)
         fields = list(StructType.fromDDL(", ".join(f"`{n}` {t}" for n, t in types.items())).fields)
@@ -104,8 +105,9 @@ def routed_stream(
         window_size_ms=window.size_ms if window else 0,
         window_slide_ms=(window.slide_ms or window.size_ms) if window else 0,
         session_gap_ms=(window.gap_ms or 0) if window else 0,
-        avro_schema_json=json.dumps(avro_schema) if source.format == "avro" else None,
+        avro_schema_json=json.dumps(avro_schema) if source.format in AVRO_FORMATS else None,
         json_schema_ddl=source.schema if source.format == "json" else None,
+        registry=config.registry if source.format == "avro-confluent" else None,
         meta=carried,
     )
     meta = [f for f in staged.schema.fields if f.name in carried]
@@ -137,7 +139,7 @@ def windowed(routed: DataFrame, config: PipelineConfig) -> DataFrame:
         F.unix_millis(F.col("window.end")).alias("window_end"),
         *[F.col(a.name) for a in window.aggregations],
     )
-    return formats.encode(result, config.sink.format)
+    return formats.encode(result, config.sink.format, partial(_register_results, config))
 
 
 def transformed(routed: DataFrame, config: PipelineConfig) -> DataFrame:
@@ -211,6 +213,12 @@ def start(
     else:
         writer = writer.trigger(processingTime=f"{config.trigger_interval_ms} milliseconds")
     return writer.start()
+
+
+def _register_results(config: PipelineConfig, schema: dict) -> int:
+    """Register the results' schema under the sink's subject; its id."""
+    assert config.registry is not None
+    return RegistryClient(config.registry).register(config.sink.value_subject, schema)
 
 
 def _aggregate(function: str, column: str):

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from onceflow.connectors import staging
 from onceflow.connectors.checkpoint import CheckpointDir
 from onceflow.connectors.records import LATE_REASON, side_record
+from onceflow.connectors.registry import RegistrySettings
 
 from . import formats
+from .config import AVRO_FORMATS
 
 SOURCE_META = ("_key", "_value", "_topic", "_partition", "_offset", "_timestamp", "_headers")
 CORRUPT = "_corrupt_record"
@@ -34,7 +36,7 @@ class RoutePlan:
     """What the router needs to know; pickled to executors with the query."""
 
     checkpoint: str
-    format: str  # json | avro | raw
+    format: str  # json | avro | avro-confluent | raw
     fields: tuple[str, ...]  # decoded top-level fields, in output order
     required: tuple[str, ...]  # fields that must not be null (window keys)
     event_time_field: str | None  # None: the Kafka timestamp
@@ -46,6 +48,7 @@ class RoutePlan:
     session_gap_ms: int = 0
     avro_schema_json: str | None = None
     json_schema_ddl: str | None = None
+    registry: RegistrySettings | None = None  # avro-confluent: where writer schemas are
     # Source columns carried through (windows leave `_headers` out, see pipeline.routed_stream).
     meta: tuple[str, ...] = SOURCE_META
 
@@ -91,9 +94,9 @@ def route(plan: RoutePlan, input_bytes, batches: Iterator) -> Iterator:
 
 def _decode(plan: RoutePlan, batch) -> tuple[dict, list[str | None]]:
     """Decoded fields as Arrow arrays, and a reason for every record that cannot be decoded."""
-    if plan.format == "avro":
+    if plan.format in AVRO_FORMATS:
         values = batch.column("_value").to_pylist()
-        return formats.decode_avro(plan.avro_schema_json, plan.fields, values)
+        return formats.decode_avro(plan.avro_schema_json, plan.fields, values, plan.registry)
     reasons: list[str | None] = [None] * batch.num_rows
     value_nulls = batch.column("_value").is_null().to_pylist()
     if plan.format == "raw":

@@ -38,11 +38,13 @@ from datetime import UTC, datetime
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from onceflow.connectors import offsets
+from onceflow.connectors import offsets, registry
 from onceflow.connectors.checkpoint import BatchPlan, CheckpointDir
 from onceflow.connectors.errors import OnceflowError, OptionError
+from onceflow.connectors.registry import RegistrySettings
 from onceflow.connectors.topics import read_committed
 
+from .config import AVRO_FORMATS
 from .formats import parsed_avro_schema
 from .routing import HEADER_SOURCE
 
@@ -164,9 +166,10 @@ class WindowSpec:
     slide_ms: int | None = None
     gap_ms: int | None = None
     event_time_field: str | None = None  # None: the Kafka record timestamp
-    format: str = "json"  # of the input records: json | avro
+    format: str = "json"  # of the input records: json | avro | avro-confluent
     json_schema: str | None = None  # Spark DDL of json input
     avro_schema: dict | None = None
+    registry: RegistrySettings | None = None  # avro-confluent: where writer schemas are
     output_mode: str = "append"
 
     @classmethod
@@ -197,7 +200,7 @@ class WindowSpec:
                 "earlier results are never retracted; use output_mode append",
             )
         avro = None
-        if config.source.format == "avro":
+        if config.source.format in AVRO_FORMATS:
             avro = load_avro_schema(config, "source.schema_file")
         return cls(
             type=window.type,
@@ -211,6 +214,7 @@ class WindowSpec:
             format=config.source.format,
             json_schema=config.source.schema,
             avro_schema=avro,
+            registry=config.registry if config.source.format == "avro-confluent" else None,
             output_mode=window.output_mode,
         )
 
@@ -476,7 +480,7 @@ def read_event(spec: WindowSpec, value: bytes | None, timestamp_ms: int) -> tupl
     if value is None:
         return "record value is null"
     types: dict[str, str] = {}
-    if spec.format == "avro":
+    if spec.format in AVRO_FORMATS:
         record = _read_avro(spec, value)
         if isinstance(record, str):
             return record
@@ -550,12 +554,21 @@ def _ddl_types(ddl: str) -> dict[str, str]:
 
 
 def _read_avro(spec: WindowSpec, value: bytes) -> dict | str:
+    """The record, resolved from its writer schema (from the registry) for avro-confluent."""
     from fastavro import schemaless_reader
 
+    reader = parsed_avro_schema(json.dumps(spec.avro_schema))
+    writer, resolve_to = reader, None
+    if spec.registry is not None:
+        try:
+            schema_id, value = registry.unframe(value)
+            found = registry.RegistryClient(spec.registry).schema_by_id(schema_id)
+        except (ValueError, registry.UnknownSchemaId) as exc:
+            return str(exc)
+        writer, resolve_to = parsed_avro_schema(json.dumps(found)), reader
     buffer = io.BytesIO(value)
     try:
-        schema = parsed_avro_schema(json.dumps(spec.avro_schema))
-        record = schemaless_reader(buffer, schema, None)
+        record = schemaless_reader(buffer, writer, resolve_to)
     except Exception as exc:  # fastavro raises many kinds for corrupt bytes
         return f"value is not Avro of the source schema: {exc}"
     if buffer.tell() != len(value):

@@ -1,12 +1,15 @@
-"""Session fixtures: a real Kafka broker and a real Spark session.
+"""Session fixtures: a real Kafka broker, a real schema registry and a real Spark session.
 
 The broker is, in order of preference: KAFKA_BOOTSTRAP_SERVERS if set; an `apache/kafka`
 container when a Docker engine answers; else onceflow's own local broker (jars from Maven
-Central), which is stopped at the end only if this session started it.
+Central), which is stopped at the end only if this session started it. The registry is
+chosen the same way: SCHEMA_REGISTRY_URL, an Apicurio Registry container, or onceflow's
+local registry (`onceflow registry start`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from collections.abc import Iterator
@@ -15,6 +18,7 @@ import pytest
 
 from onceflow.connectors.topics import create_topic
 from onceflow.local_kafka import KAFKA_VERSION, LocalKafka
+from onceflow.local_registry import API_PATH, REGISTRY_VERSION, LocalRegistry, environment
 from tests.helpers import free_port
 
 # The settings a one-node apache/kafka container needs for transactions (same as compose).
@@ -86,6 +90,34 @@ def kafka_bootstrap() -> Iterator[str]:
     yield bootstrap
     if started_here:
         broker.stop()
+
+
+@pytest.fixture(scope="session")
+def schema_registry(kafka_bootstrap: str) -> Iterator[str]:
+    """The URL of a Confluent-compatible schema registry (Confluent's API)."""
+    if url := os.environ.get("SCHEMA_REGISTRY_URL"):
+        yield url
+        return
+    if docker_engine_answers():
+        from testcontainers.core.container import DockerContainer
+        from testcontainers.core.waiting_utils import wait_for_logs
+
+        port = free_port()
+        container = DockerContainer(
+            f"apicurio/apicurio-registry:{REGISTRY_VERSION}"
+        ).with_bind_ports(8080, port)
+        for key, value in environment().items():
+            container = container.with_env(key, value)
+        with container:
+            wait_for_logs(container, "Installed features", timeout=120)
+            yield f"http://127.0.0.1:{port}{API_PATH}"
+        return
+    registry = dataclasses.replace(LocalRegistry.from_env(), kafka_bootstrap=kafka_bootstrap)
+    started_here = registry.pid() is None
+    url = registry.start()
+    yield url
+    if started_here:
+        registry.stop()
 
 
 @pytest.fixture(scope="session")

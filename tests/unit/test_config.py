@@ -78,6 +78,21 @@ def test_kafka_settings_from_the_environment_stay_strings():
     assert (kafka["sasl.password"], kafka["sasl.username"]) == ("0123", "on")
 
 
+def test_registry_settings_from_the_environment_stay_strings():
+    raw = with_()
+    apply_env_overrides(
+        raw,
+        {
+            "ONCEFLOW_REGISTRY__URL": "https://registry:8081/apis/ccompat/v7",
+            "ONCEFLOW_REGISTRY__BASIC_AUTH_USER_INFO": "on",
+            "ONCEFLOW_REGISTRY__SSL_KEY_PASSWORD": "0123",
+        },
+    )
+    registry = parse(raw).registry
+    assert registry.url == "https://registry:8081/apis/ccompat/v7"
+    assert (registry.basic_auth_user_info, registry.ssl_key_password) == ("on", "0123")
+
+
 @pytest.mark.parametrize(
     "sections, message",
     [
@@ -89,6 +104,12 @@ def test_kafka_settings_from_the_environment_stay_strings():
         ({"window": {"aggregations": {"key": "count(*)"}}}, "'key' is a reserved output field"),
         ({"event_time": {"field": "tss"}}, "event_time.field: field 'tss' is not in the input"),
         ({"source": {"format": "avro"}}, "source.schema_file: is required for format avro"),
+        (
+            {"source": {"format": "avro-confluent", "schema_file": "click.avsc"}},
+            "registry.url: is required for source.format avro-confluent",
+        ),
+        ({"registry": {"url": "registry:8081"}}, "registry.url: must be an http:// or https://"),
+        ({"registry": {"url": "http://r", "password": "x"}}, "registry.password: unknown field"),
         ({"sink": None}, "sink: is required"),
         ({"app_id": None, "checkpoint": {"location": "/ck"}}, "app_id: is required"),
     ],

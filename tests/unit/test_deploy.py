@@ -16,6 +16,7 @@ import yaml
 
 from onceflow.config import apply_env_overrides, parse
 from onceflow.local_kafka import KAFKA_VERSION
+from onceflow.local_registry import REGISTRY_VERSION, SETTINGS, environment, storage_settings
 from tests.conftest import KAFKA_CONTAINER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,6 +67,16 @@ def test_kafka_runs_the_tested_version_with_single_node_transaction_settings():
     listeners = {"KAFKA_LISTENERS", "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"}
     expected = {k: v for k, v in KAFKA_CONTAINER_ENV.items() if k not in listeners}
     assert {k: env[k] for k in expected} == expected
+
+
+def test_the_registry_runs_the_tested_version_with_its_schemas_in_kafka():
+    """The same settings as `onceflow registry start`, as Quarkus' environment variables
+    (checked against the registry's own jar by hand: see the README)."""
+    service = SERVICES["schema-registry"]
+    assert service["image"] == f"apicurio/apicurio-registry:{REGISTRY_VERSION}"
+    assert service["environment"] == environment({**SETTINGS, **storage_settings("kafka:9092")})
+    assert service["depends_on"]["kafka"] == {"condition": "service_healthy"}
+    assert service["profiles"] == ["registry"]
 
 
 def test_kafkas_log_is_on_its_named_volume():

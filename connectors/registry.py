@@ -1,0 +1,196 @@
+"""A Confluent-compatible Schema Registry: the wire format and the few calls onceflow makes.
+
+A value in the Confluent wire format is a magic byte 0, the writer schema's id (4 bytes, big
+endian), then the Avro body written with that schema. Readers fetch the writer schema by id
+(ids never change meaning, so it is cached for the life of the process) and resolve it to
+their own reader schema, which is how producers evolve a schema mid-stream.
+
+The client is urllib with timeouts: a registry that does not answer is retried with backoff
+and then raises RegistryUnreachableError naming the URL, which fails the epoch (and the run)
+rather than dropping a record. Credentials never appear in a message or a repr.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from .errors import RegistryRefusedError, RegistryUnreachableError
+
+MAGIC_BYTE = 0
+HEADER_BYTES = 5  # the magic byte and the schema id
+REQUEST_TIMEOUT_S = 10.0
+RETRY_BUDGET_S = 30.0
+CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
+
+
+class UnknownSchemaId(LookupError):
+    """The registry answered that no schema has this id: the record is a dead letter."""
+
+
+class _Retriable(Exception):
+    """No answer, or a 5xx: worth another attempt."""
+
+
+@dataclass(frozen=True)
+class RegistrySettings:
+    """Where the registry is and how to authenticate; pickled to executors, never printed."""
+
+    url: str
+    basic_auth_user_info: str | None = field(default=None, repr=False)  # "user:password"
+    ssl_ca_location: str | None = None
+    ssl_certificate_location: str | None = None
+    ssl_key_location: str | None = None
+    ssl_key_password: str | None = field(default=None, repr=False)
+
+    @property
+    def public_url(self) -> str:
+        """The URL without any user:password in it, for messages."""
+        parts = urllib.parse.urlsplit(self.url)
+        host = parts.hostname or ""
+        netloc = f"{host}:{parts.port}" if parts.port else host
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc)).rstrip("/")
+
+
+def frame(schema_id: int, body: bytes) -> bytes:
+    """A value in the Confluent wire format."""
+    return bytes([MAGIC_BYTE]) + schema_id.to_bytes(4, "big") + body
+
+
+def unframe(value: bytes) -> tuple[int, bytes]:
+    """(schema id, Avro body) of a framed value; ValueError saying what is wrong otherwise."""
+    if len(value) < HEADER_BYTES or value[0] != MAGIC_BYTE:
+        first = f"0x{value[0]:02x}" if value else "nothing"
+        raise ValueError(
+            f"value is not in the Confluent wire format: it starts with {first} and is "
+            f"{len(value)} bytes long (expected a magic byte 0x00, a 4-byte schema id, then Avro)"
+        )
+    return int.from_bytes(value[1:HEADER_BYTES], "big"), value[HEADER_BYTES:]
+
+
+class RegistryClient:
+    """Schemas by id (cached), a subject's latest version, and registration."""
+
+    _by_id: ClassVar[dict[tuple[str, int], dict]] = {}  # per process: ids never change meaning
+    _lock = threading.Lock()
+
+    def __init__(self, settings: RegistrySettings, retry_budget_s: float = RETRY_BUDGET_S) -> None:
+        self.settings = settings
+        self.retry_budget_s = retry_budget_s
+        self._base = settings.url.rstrip("/")
+        self._context = self._ssl_context()
+
+    def schema_by_id(self, schema_id: int) -> dict:
+        """The writer schema with this id; UnknownSchemaId if the registry has none."""
+        key = (self._base, schema_id)
+        with self._lock:
+            cached = self._by_id.get(key)
+        if cached is not None:
+            return cached
+        status, answer = self._call("GET", f"/schemas/ids/{schema_id}")
+        if status == 404:
+            raise UnknownSchemaId(
+                f"schema id {schema_id} is not in the registry at {self.settings.public_url}"
+            )
+        self._refused_unless_ok(status, answer, f"reading schema id {schema_id}")
+        schema = json.loads(answer["schema"])
+        with self._lock:
+            self._by_id[key] = schema
+        return schema
+
+    def latest(self, subject: str) -> tuple[int, dict] | None:
+        """The latest (id, schema) registered under `subject`, or None if it has none."""
+        path = f"/subjects/{urllib.parse.quote(subject, safe='')}/versions/latest"
+        status, answer = self._call("GET", path)
+        if status == 404:
+            return None
+        self._refused_unless_ok(status, answer, f"reading the latest schema of {subject!r}")
+        return int(answer["id"]), json.loads(answer["schema"])
+
+    def register(self, subject: str, schema: dict) -> int:
+        """Register `schema` under `subject` (or find it there); its id. RegistryRefusedError
+        with the registry's message when it is incompatible with the subject's versions."""
+        path = f"/subjects/{urllib.parse.quote(subject, safe='')}/versions"
+        status, answer = self._call("POST", path, {"schema": json.dumps(schema)})
+        self._refused_unless_ok(status, answer, f"registering a schema under {subject!r}")
+        return int(answer["id"])
+
+    # -- HTTP ------------------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """(HTTP status, JSON answer); no answer or a 5xx is retried with backoff."""
+        attempts = Retrying(
+            retry=retry_if_exception_type(_Retriable),
+            stop=stop_after_delay(self.retry_budget_s),
+            wait=wait_exponential(multiplier=0.2, max=5),
+            reraise=True,
+        )
+        try:
+            return attempts(self._attempt, method, path, body)
+        except _Retriable as exc:
+            raise RegistryUnreachableError(
+                f"the schema registry at {self.settings.public_url} did not answer within "
+                f"{self.retry_budget_s:g}s ({exc}); check that it runs and that this host can "
+                "reach it (registry.url, and registry.ssl_* for TLS)"
+            ) from None
+
+    def _attempt(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self._base + path, data=data, method=method)
+        request.add_header("Accept", CONTENT_TYPE)
+        if data is not None:
+            request.add_header("Content-Type", CONTENT_TYPE)
+        if self.settings.basic_auth_user_info:
+            token = base64.b64encode(self.settings.basic_auth_user_info.encode()).decode()
+            request.add_header("Authorization", f"Basic {token}")
+        try:
+            with urllib.request.urlopen(
+                request, timeout=REQUEST_TIMEOUT_S, context=self._context
+            ) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            if exc.code >= 500:
+                raise _Retriable(f"HTTP {exc.code}") from None
+            try:
+                answer = json.loads(exc.read() or b"null")
+            except ValueError:
+                answer = None
+            return exc.code, answer
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise _Retriable(str(reason) or type(reason).__name__) from None
+
+    def _refused_unless_ok(self, status: int, answer: Any, doing: str) -> None:
+        if status < 300:
+            return
+        message = answer.get("message") if isinstance(answer, dict) else None
+        hint = {
+            401: "check registry.basic_auth_user_info",
+            403: "the credentials may not do this",
+            409: "the schema is incompatible with the versions already registered",
+            422: "the registry cannot parse the schema",
+        }.get(status, "see the registry's log")
+        raise RegistryRefusedError(
+            f"the schema registry at {self.settings.public_url} refused {doing}: "
+            f"HTTP {status}{f' ({message})' if message else ''}; {hint}"
+        )
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        s = self.settings
+        if not s.url.startswith("https"):
+            return None
+        context = ssl.create_default_context(cafile=s.ssl_ca_location)
+        if s.ssl_certificate_location:
+            context.load_cert_chain(
+                s.ssl_certificate_location, s.ssl_key_location, password=s.ssl_key_password
+            )
+        return context

@@ -1,0 +1,114 @@
+"""What the local broker and registry share: finding tools, ports and processes, a start lock."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+class LocalServiceError(RuntimeError):
+    """A local service (broker, registry) could not be set up or started; the message says
+    what to do."""
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (two `start`s at once start one process)."""
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def require_tool(tool: str, what: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        raise LocalServiceError(f"`{tool}` is not on PATH: install {what}, then try again.")
+    return path
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie child (exited, not yet reaped) still answers kill(0); /proc tells the truth.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_exit(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def stop(pid: int, name: str, timeout: float, progress: Callable[[str], None]) -> None:
+    """SIGTERM `pid` (a clean shutdown), SIGKILL it if it outlives `timeout`."""
+    progress(f"Stopping {name} (pid {pid}) ...")
+    os.kill(pid, signal.SIGTERM)
+    if not wait_exit(pid, timeout):
+        progress(f"{_sentence(name)} did not stop within {timeout:.0f}s; killing it")
+        os.kill(pid, signal.SIGKILL)
+        wait_exit(pid, 10)
+    progress(f"{_sentence(name)} stopped")
+
+
+def wait_ready(
+    answers: Callable[[], bool],
+    pid: int,
+    name: str,
+    log: Path,
+    timeout: float,
+    progress: Callable[[str], None],
+) -> None:
+    """Poll `answers` until it is true; LocalServiceError if the process exits first or
+    `timeout` passes, naming its log. A note every 10 s shows it is still waiting."""
+    deadline = time.monotonic() + timeout
+    next_note = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if answers():
+            return
+        if not alive(pid):
+            raise LocalServiceError(
+                f"{_sentence(name)} exited during startup. Its log {log} ends with:\n{tail(log)}"
+            )
+        if time.monotonic() > next_note:
+            progress(f"  still waiting for {name} to answer ...")
+            next_note = time.monotonic() + 10
+        time.sleep(0.2)
+    raise LocalServiceError(
+        f"{_sentence(name)} did not answer within {timeout:.0f}s; see {log}, then stop it and "
+        "start again."
+    )
+
+
+def _sentence(name: str) -> str:
+    return name[:1].upper() + name[1:]
