@@ -2,8 +2,11 @@
 
 A value in the Confluent wire format is a magic byte 0, the writer schema's id (4 bytes, big
 endian), then the Avro body written with that schema. Readers fetch the writer schema by id
-(ids never change meaning, so it is cached for the life of the process) and resolve it to
-their own reader schema, which is how producers evolve a schema mid-stream.
+(ids never change meaning, so it is cached for the life of the process), with the schemas it
+references, and resolve it to their own reader schema, which is how producers evolve a
+schema mid-stream. An id the registry does not know is asked again for a few seconds before
+the record is given up as a dead letter: a registry with several replicas can answer 404 for
+an id another replica gave a producer a moment ago.
 
 The client is urllib with timeouts: a registry that does not answer is retried with backoff
 and then raises RegistryUnreachableError naming the URL, which fails the epoch (and the run)
@@ -16,10 +19,13 @@ import base64
 import json
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
+from functools import cache
+from http.client import HTTPException
 from typing import Any, ClassVar
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
@@ -30,27 +36,39 @@ MAGIC_BYTE = 0
 HEADER_BYTES = 5  # the magic byte and the schema id
 REQUEST_TIMEOUT_S = 10.0
 RETRY_BUDGET_S = 30.0
+UNKNOWN_ID_GRACE_S = 5.0  # how long a 404 for an id is asked again
+UNKNOWN_ID_REMEMBERED_S = 60.0  # then records with that id are dead letters without asking
 CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
 
 
-class UnknownSchemaId(LookupError):
-    """The registry answered that no schema has this id: the record is a dead letter."""
+class WriterSchemaError(LookupError):
+    """The record's writer schema cannot be had (an id the registry does not know, a schema
+    that is not Avro): the record is a dead letter, with this message as its reason."""
 
 
 class _Retriable(Exception):
-    """No answer, or a 5xx: worth another attempt."""
+    """No answer, a 5xx, a timeout (408) or too many requests (429): worth another attempt."""
+
+
+# A 404 whose error code says the id (or, in Apicurio's legacy id mode, its subject) is
+# unknown; any other 404 means the URL is not a registry's API.
+UNKNOWN_ID_CODES = (40403, 40401)
+RETRIED_STATUSES = (408, 429)
 
 
 @dataclass(frozen=True)
 class RegistrySettings:
     """Where the registry is and how to authenticate; pickled to executors, never printed."""
 
-    url: str
+    url: str = field(repr=False)  # shown as `public_url`
     basic_auth_user_info: str | None = field(default=None, repr=False)  # "user:password"
     ssl_ca_location: str | None = None
     ssl_certificate_location: str | None = None
     ssl_key_location: str | None = None
     ssl_key_password: str | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return f"RegistrySettings({self.public_url!r})"
 
     @property
     def public_url(self) -> str:
@@ -59,6 +77,12 @@ class RegistrySettings:
         host = parts.hostname or ""
         netloc = f"{host}:{parts.port}" if parts.port else host
         return urllib.parse.urlunsplit(parts._replace(netloc=netloc)).rstrip("/")
+
+
+@cache
+def client_for(settings: RegistrySettings) -> RegistryClient:
+    """One client per settings and process (its TLS context is loaded once)."""
+    return RegistryClient(settings)
 
 
 def frame(schema_id: int, body: bytes) -> bytes:
@@ -80,7 +104,9 @@ def unframe(value: bytes) -> tuple[int, bytes]:
 class RegistryClient:
     """Schemas by id (cached), a subject's latest version, and registration."""
 
-    _by_id: ClassVar[dict[tuple[str, int], dict]] = {}  # per process: ids never change meaning
+    # Per process: an id's schemas never change meaning; an unknown id is remembered a while.
+    _by_id: ClassVar[dict[tuple[str, int], list[dict]]] = {}
+    _unknown_until: ClassVar[dict[tuple[str, int], float]] = {}
     _lock = threading.Lock()
 
     def __init__(self, settings: RegistrySettings, retry_budget_s: float = RETRY_BUDGET_S) -> None:
@@ -89,23 +115,84 @@ class RegistryClient:
         self._base = settings.url.rstrip("/")
         self._context = self._ssl_context()
 
-    def schema_by_id(self, schema_id: int) -> dict:
-        """The writer schema with this id; UnknownSchemaId if the registry has none."""
+    def schema_by_id(self, schema_id: int) -> list[dict]:
+        """The writer schema with this id, last, after the schemas it references (each before
+        the ones that use it); WriterSchemaError if there is no Avro schema with this id."""
         key = (self._base, schema_id)
         with self._lock:
             cached = self._by_id.get(key)
+            unknown = self._unknown_until.get(key, 0.0) > time.monotonic()
         if cached is not None:
             return cached
-        status, answer = self._call("GET", f"/schemas/ids/{schema_id}")
-        if status == 404:
-            raise UnknownSchemaId(
-                f"schema id {schema_id} is not in the registry at {self.settings.public_url}"
+        if not unknown:
+            answer = self._schema_answer(schema_id)
+            if answer is not None:
+                schemas = [*self._referenced(answer, set()), self._avro(answer, f"id {schema_id}")]
+                with self._lock:
+                    self._by_id[key] = schemas
+                return schemas
+            with self._lock:
+                self._unknown_until[key] = time.monotonic() + UNKNOWN_ID_REMEMBERED_S
+        raise WriterSchemaError(
+            f"schema id {schema_id} is not in the registry at {self.settings.public_url}"
+        )
+
+    def _schema_answer(self, schema_id: int) -> dict | None:
+        """The registry's answer for an id, or None when it still says 404 after the grace."""
+        deadline = time.monotonic() + UNKNOWN_ID_GRACE_S
+        pause = 0.2
+        while True:
+            status, answer = self._call("GET", f"/schemas/ids/{schema_id}")
+            code = answer.get("error_code") if isinstance(answer, dict) else None
+            if status != 404 or code not in UNKNOWN_ID_CODES:
+                self._refused_unless_ok(status, answer, f"reading schema id {schema_id}")
+                return answer
+            if time.monotonic() + pause > deadline:
+                return None
+            time.sleep(pause)  # another replica may not have applied the id yet
+            pause *= 2
+
+    def _referenced(self, answer: dict, seen: set[tuple[str, int]]) -> list[dict]:
+        """The schemas `answer` references, recursively, each before the ones that use it."""
+        schemas: list[dict] = []
+        for reference in answer.get("references") or []:
+            subject, version = reference["subject"], int(reference["version"])
+            if (subject, version) in seen:
+                continue
+            seen.add((subject, version))
+            quoted = urllib.parse.quote(subject, safe="")
+            status, found = self._call("GET", f"/subjects/{quoted}/versions/{version}")
+            what = f"version {version} of {subject!r}, referenced by a writer schema"
+            self._refused_unless_ok(status, found, f"reading {what}")
+            schemas += [*self._referenced(found, seen), self._avro(found, what)]
+        return schemas
+
+    def _avro(self, answer: Any, what: str) -> dict:
+        if not isinstance(answer, dict) or not isinstance(answer.get("schema"), str):
+            raise RegistryRefusedError(
+                f"the schema registry at {self.settings.public_url} answered for schema {what} "
+                f"without a schema ({str(answer)[:200]}); check that registry.url is a "
+                "Confluent-compatible API (Apicurio's ends with /apis/ccompat/v7)"
             )
-        self._refused_unless_ok(status, answer, f"reading schema id {schema_id}")
-        schema = json.loads(answer["schema"])
-        with self._lock:
-            self._by_id[key] = schema
-        return schema
+        kind = answer.get("schemaType") or "AVRO"  # Confluent leaves it out for Avro
+        if kind != "AVRO":
+            raise WriterSchemaError(f"schema {what} is a {kind} schema, not Avro")
+        try:
+            return json.loads(answer["schema"])
+        except ValueError as exc:
+            raise WriterSchemaError(f"schema {what} is not JSON: {exc}") from None
+
+    def check(self) -> None:
+        """Ask the registry for its subjects: RegistryRefusedError when the URL answers but is
+        not a registry's API (a wrong path would turn every record into a dead letter)."""
+        status, answer = self._call("GET", "/subjects")
+        if status == 200 and isinstance(answer, list):
+            return
+        raise RegistryRefusedError(
+            f"{self.settings.public_url} is not a Confluent-compatible schema registry API "
+            f"(GET /subjects answered HTTP {status}); check registry.url (Apicurio's ends with "
+            "/apis/ccompat/v7)"
+        )
 
     def latest(self, subject: str) -> tuple[int, dict] | None:
         """The latest (id, schema) registered under `subject`, or None if it has none."""
@@ -156,18 +243,29 @@ class RegistryClient:
             with urllib.request.urlopen(
                 request, timeout=REQUEST_TIMEOUT_S, context=self._context
             ) as response:
-                return response.status, json.loads(response.read() or b"null")
+                return response.status, self._json(response.read(), path)
         except urllib.error.HTTPError as exc:
-            if exc.code >= 500:
+            if exc.code >= 500 or exc.code in RETRIED_STATUSES:
                 raise _Retriable(f"HTTP {exc.code}") from None
             try:
                 answer = json.loads(exc.read() or b"null")
             except ValueError:
-                answer = None
+                answer = None  # an error page: the status says enough
             return exc.code, answer
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+        except (urllib.error.URLError, TimeoutError, ConnectionError, HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
             raise _Retriable(str(reason) or type(reason).__name__) from None
+
+    def _json(self, body: bytes, path: str) -> Any:
+        """A 200's JSON; an HTML page (a login page, a proxy, the wrong port) is a refusal."""
+        try:
+            return json.loads(body or b"null")
+        except ValueError:
+            raise RegistryRefusedError(
+                f"{self.settings.public_url}{path} answered with something that is not JSON "
+                f"({body[:80]!r}); check that registry.url is a Confluent-compatible API "
+                "(Apicurio's ends with /apis/ccompat/v7)"
+            ) from None
 
     def _refused_unless_ok(self, status: int, answer: Any, doing: str) -> None:
         if status < 300:
@@ -176,6 +274,7 @@ class RegistryClient:
         hint = {
             401: "check registry.basic_auth_user_info",
             403: "the credentials may not do this",
+            404: "check registry.url (Apicurio's ends with /apis/ccompat/v7)",
             409: "the schema is incompatible with the versions already registered",
             422: "the registry cannot parse the schema",
         }.get(status, "see the registry's log")

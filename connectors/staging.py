@@ -11,7 +11,9 @@ Three rules keep staging exactly-once:
   write its commit log; after a host crash it is whole or absent.
 - Files live under the batch's plan fingerprint (see CheckpointDir.staging_dir): a file
   left by another plan of the same batch id is never published. Within one plan a
-  retried task replaces its own file, and the sink publishes each source position once.
+  retried task replaces its own file, or removes it when this attempt has no side records
+  (a record dead-lettered because its schema id was not found yet may decode on the
+  replay), and the sink publishes each source position once.
 - A file that cannot be read fails the epoch with StagingError and is removed: the
   epoch is not in Spark's commit log, so a restart recomputes its tasks and stages anew.
 """
@@ -20,20 +22,26 @@ from __future__ import annotations
 
 import shutil
 
-from .checkpoint import BatchPlan, CheckpointDir, write_atomically
+from .checkpoint import BatchPlan, CheckpointDir, fsync, write_atomically
 from .errors import StagingError
 from .records import staged_schema
 
 
 def stage(checkpoint: CheckpointDir, plan: BatchPlan, task: int, rows: list[dict]) -> None:
-    """Write one task's side records durably and atomically."""
+    """Write one task's side records durably and atomically; with none, remove what an
+    earlier attempt of the task staged (durably too: before the task ends)."""
     import pyarrow as pa
 
+    path = checkpoint.staging_dir(plan) / f"part-{task:05d}.arrow"
+    if not rows:
+        if path.exists():
+            path.unlink()
+            fsync(path.parent)
+        return
     table = pa.Table.from_pylist(rows, schema=staged_schema(pa))
     buffer = pa.BufferOutputStream()
     with pa.ipc.new_file(buffer, table.schema) as writer:
         writer.write_table(table)
-    path = checkpoint.staging_dir(plan) / f"part-{task:05d}.arrow"
     write_atomically(path, buffer.getvalue().to_pybytes())
 
 

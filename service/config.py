@@ -420,6 +420,12 @@ def _registry(s: _Section) -> RegistrySettings:
     url = s.string("url", required=True)
     if not re.match(r"^https?://[^/]", url):
         raise ConfigError("registry.url", "must be an http:// or https:// URL")
+    if "@" in url.split("/")[2]:
+        raise ConfigError(
+            "registry.url",
+            "must not hold user:password (it would be sent as part of the host name); put "
+            "them in registry.basic_auth_user_info, e.g. ${REGISTRY_USER_INFO}",
+        )
     return RegistrySettings(
         url=url,
         basic_auth_user_info=s.string("basic_auth_user_info"),

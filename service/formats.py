@@ -20,7 +20,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import DataType, StructType
 
 from onceflow.connectors import registry as registry_wire
-from onceflow.connectors.registry import RegistryClient, RegistrySettings, UnknownSchemaId
+from onceflow.connectors.registry import RegistryClient, RegistrySettings, WriterSchemaError
 
 # Avro type -> (Spark SQL type, pyarrow type factory): flat records of these, nullable or not.
 AVRO_TYPES = {
@@ -33,6 +33,10 @@ AVRO_TYPES = {
     "bytes": ("BINARY", "binary"),
 }
 
+
+# How much of a decoder's message a dead letter's reason keeps (fastavro's can hold whole
+# parsed schemas).
+REASON_DETAIL_CHARS = 300
 
 # -- json ----------------------------------------------------------------------------------
 
@@ -88,7 +92,7 @@ def decode_avro(
     from fastavro import schemaless_reader
 
     reader = parsed_avro_schema(schema_json)
-    client = RegistryClient(registry) if registry is not None else None
+    client = registry_wire.client_for(registry) if registry is not None else None
     columns: dict[str, list] = {f: [] for f in fields}
     reasons: list[str | None] = []
     for value in values:
@@ -100,8 +104,14 @@ def decode_avro(
         else:
             try:
                 schema_id, body = registry_wire.unframe(value)
+            except ValueError as exc:
+                reasons.append(str(exc))
+                for f in fields:
+                    columns[f].append(None)
+                continue
+            try:
                 writer = _writer_schema(client, schema_id)
-            except (ValueError, UnknownSchemaId) as exc:
+            except WriterSchemaError as exc:  # the registry's own failures fail the epoch
                 reason = str(exc)
             else:
                 what = f"writer schema id {schema_id}"
@@ -121,15 +131,42 @@ def _read_avro(read, body: bytes, writer: dict, reader: dict | None, what: str):
         if buffer.tell() != len(body):
             raise ValueError(f"{len(body) - buffer.tell()} bytes left over")
     except Exception as exc:  # fastavro raises many kinds for corrupt bytes
-        name = (reader or writer).get("name")
+        detail = str(exc)[:REASON_DETAIL_CHARS]
         if type(exc).__name__ == "SchemaResolutionError":
-            return None, f"{what} does not resolve to the reader schema {name!r}: {exc}"
-        return None, f"value is not Avro of {what} {writer.get('name')!r}: {exc}"
+            name = _schema_name(reader or writer)
+            return None, f"{what} does not resolve to the reader schema {name!r}: {detail}"
+        return None, f"value is not Avro of {what} {_schema_name(writer)!r}: {detail}"
     return record, None
 
 
+def _schema_name(schema) -> str:
+    """A record's name, or the type of any other schema (a union is a list)."""
+    if isinstance(schema, dict):
+        return str(schema.get("name") or schema.get("type"))
+    return "union" if isinstance(schema, list) else str(schema)
+
+
 def _writer_schema(client: RegistryClient, schema_id: int) -> dict:
-    return parsed_avro_schema(json.dumps(client.schema_by_id(schema_id), sort_keys=True))
+    """The parsed writer schema of an id, its references parsed into the same names."""
+    schemas = json.dumps(client.schema_by_id(schema_id), sort_keys=True)
+    try:
+        return parsed_with_references(schemas)
+    except WriterSchemaError as exc:
+        raise WriterSchemaError(f"writer schema id {schema_id}: {exc}") from None
+
+
+@cache
+def parsed_with_references(schemas_json: str) -> dict:
+    from fastavro import parse_schema
+
+    try:
+        named: dict = {}
+        *referenced, root = json.loads(schemas_json)
+        for schema in referenced:
+            parse_schema(schema, named_schemas=named)
+        return parse_schema(root, named_schemas=named)
+    except Exception as exc:  # fastavro's kinds for a schema it cannot parse
+        raise WriterSchemaError(f"the writer schema does not parse: {exc}") from None
 
 
 @cache
@@ -187,12 +224,12 @@ def encode(result: DataFrame, fmt: str, registered: Callable[[dict], int] | None
 
 
 def avro_schema(schema: StructType, name: str = "WindowResult") -> dict:
-    """An Avro record schema for a Spark struct of flat fields (every field nullable)."""
+    """An Avro record schema for a Spark struct of flat fields (every field nullable, with a
+    null default: a pipeline that gains or loses an aggregation stays compatible both ways)."""
     fields = []
     for field in schema.fields:
-        fields.append(
-            {"name": field.name, "type": ["null", _avro_type(field.dataType, field.name)]}
-        )
+        kind = ["null", _avro_type(field.dataType, field.name)]
+        fields.append({"name": field.name, "type": kind, "default": None})
     return {"type": "record", "name": name, "namespace": "dev.onceflow", "fields": fields}
 
 

@@ -7,7 +7,8 @@ Kafka topic (Apicurio's `kafkasql` storage), so a schema id means the same as lo
 records that carry it exist: a registry that forgot its ids after a restart would turn every
 record written before into a dead letter. Two more settings make it behave like Confluent's:
 BACKWARD compatibility by default (Apicurio's own default is NONE) and canonical hashing, so
-a schema registered again with other whitespace gets the same id.
+a schema registered again with other whitespace gets the same id (the same fields in another
+order are another schema with another id: `test_schema_registry.py` checks it).
 """
 
 from __future__ import annotations
@@ -83,8 +84,10 @@ class LocalRegistry:
 
         broker = LocalKafka.from_env()
         kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or broker.bootstrap
-        port = int(os.environ.get("ONCEFLOW_REGISTRY_PORT", DEFAULT_PORT))
-        return cls(broker.home, kafka, port)
+        port = os.environ.get("ONCEFLOW_REGISTRY_PORT", str(DEFAULT_PORT))
+        if not port.isdigit():
+            raise LocalRegistryError(f"ONCEFLOW_REGISTRY_PORT={port!r} is not a port number")
+        return cls(broker.home, kafka, int(port))
 
     @property
     def url(self) -> str:
@@ -151,7 +154,12 @@ class LocalRegistry:
             started = pid is None
             if started:
                 pid = self._launch(progress)
-        self._wait_ready(pid, progress)
+        try:
+            self._wait_ready(pid, progress)
+        except LocalServiceError:
+            if started:  # not left running half-started
+                self.stop(progress)
+            raise
         if started:
             progress(f"Schema registry is ready at {self.url} after {time.monotonic() - t0:.1f}s")
         else:
@@ -226,6 +234,12 @@ class LocalRegistry:
             return
         mvn = require_tool("mvn", "Apache Maven (Debian: apt-get install maven)")
         self.dist.mkdir(parents=True, exist_ok=True)
+        with locked(self.dist.parent / f"{self.dist.name}.lock"):  # registries on two ports
+            if not marker.exists():
+                self._fetch(mvn, progress)
+                marker.touch()
+
+    def _fetch(self, mvn: str, progress: Callable[[str], None]) -> None:
         progress(
             f"Fetching Apicurio Registry {REGISTRY_VERSION} (~{ASSEMBLY_MB} MB) from Maven "
             f"Central into {self.dist}"
@@ -256,13 +270,15 @@ class LocalRegistry:
             )
         progress(f"Unpacking {archives[0].name} ...")
         with tarfile.open(archives[0]) as archive:
-            archive.extractall(self.dist, filter="data")
+            if hasattr(tarfile, "data_filter"):  # Python 3.11.4+: nothing outside dist
+                archive.extractall(self.dist, filter="data")
+            else:
+                archive.extractall(self.dist)
         archives[0].unlink()
         if not self.runner_jar.is_file():
             raise LocalRegistryError(
                 f"the assembly has no {self.runner_jar.name}; delete {self.dist} and try again"
             )
-        marker.touch()
 
     def _show_download(self, done: threading.Event, progress: Callable[[str], None]) -> None:
         """Maven in batch mode prints nothing while it downloads: report what has arrived in

@@ -16,7 +16,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import StructField, StructType, TimestampType
 
-from onceflow.connectors.registry import RegistryClient
+from onceflow.connectors.registry import client_for
 from onceflow.connectors.sink import ForeachBatchSink
 
 from . import formats
@@ -87,6 +87,9 @@ def routed_stream(
         )
         fields = [f for f in staged.schema["_data"].dataType.fields if f.name != CORRUPT]
     elif source.format in AVRO_FORMATS:
+        if source.format == "avro-confluent":  # a wrong URL fails here, not record by record
+            assert config.registry is not None
+            client_for(config.registry).check()
         avro_schema = load_avro_schema(config, "source.schema_file")
         types = avro_field_types(avro_schema)
         fields = list(StructType.fromDDL(", ".join(f"`{n}` {t}" for n, t in types.items())).fields)
@@ -218,7 +221,7 @@ def start(
 def _register_results(config: PipelineConfig, schema: dict) -> int:
     """Register the results' schema under the sink's subject; its id."""
     assert config.registry is not None
-    return RegistryClient(config.registry).register(config.sink.value_subject, schema)
+    return client_for(config.registry).register(config.sink.value_subject, schema)
 
 
 def _aggregate(function: str, column: str):

@@ -45,7 +45,7 @@ from onceflow.connectors.registry import RegistrySettings
 from onceflow.connectors.topics import read_committed
 
 from .config import AVRO_FORMATS
-from .formats import parsed_avro_schema
+from .formats import parsed_avro_schema, parsed_with_references
 from .routing import HEADER_SOURCE
 
 if TYPE_CHECKING:
@@ -562,10 +562,10 @@ def _read_avro(spec: WindowSpec, value: bytes) -> dict | str:
     if spec.registry is not None:
         try:
             schema_id, value = registry.unframe(value)
-            found = registry.RegistryClient(spec.registry).schema_by_id(schema_id)
-        except (ValueError, registry.UnknownSchemaId) as exc:
+            found = registry.client_for(spec.registry).schema_by_id(schema_id)
+            writer, resolve_to = parsed_with_references(json.dumps(found, sort_keys=True)), reader
+        except (ValueError, registry.WriterSchemaError) as exc:
             return str(exc)
-        writer, resolve_to = parsed_avro_schema(json.dumps(found)), reader
     buffer = io.BytesIO(value)
     try:
         record = schemaless_reader(buffer, writer, resolve_to)

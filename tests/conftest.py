@@ -1,40 +1,19 @@
 """Session fixtures: a real Kafka broker, a real schema registry and a real Spark session.
 
-The broker is, in order of preference: KAFKA_BOOTSTRAP_SERVERS if set; an `apache/kafka`
-container when a Docker engine answers; else onceflow's own local broker (jars from Maven
-Central), which is stopped at the end only if this session started it. The registry is
-chosen the same way: SCHEMA_REGISTRY_URL, an Apicurio Registry container, or onceflow's
-local registry (`onceflow registry start`).
+The broker and the registry are what onceflow's pytest plugin (onceflow/testing.py) gives
+users' tests: KAFKA_BOOTSTRAP_SERVERS / SCHEMA_REGISTRY_URL if set, else containers when a
+Docker engine answers, else onceflow's own local broker and registry, stopped at the end only
+if this session started them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
 from onceflow.connectors.topics import create_topic
-from onceflow.local_kafka import KAFKA_VERSION, LocalKafka
-from onceflow.local_registry import API_PATH, REGISTRY_VERSION, LocalRegistry, environment
-from tests.helpers import free_port
-
-# The settings a one-node apache/kafka container needs for transactions (same as compose).
-KAFKA_CONTAINER_ENV = {
-    "KAFKA_NODE_ID": "1",
-    "KAFKA_PROCESS_ROLES": "broker,controller",
-    "KAFKA_CONTROLLER_QUORUM_VOTERS": "1@localhost:9093",
-    "KAFKA_CONTROLLER_LISTENER_NAMES": "CONTROLLER",
-    "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
-    "KAFKA_LISTENERS": "PLAINTEXT://:9092,CONTROLLER://:9093",
-    "KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR": "1",
-    "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR": "1",
-    "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR": "1",
-    "KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS": "0",
-    "KAFKA_AUTO_CREATE_TOPICS_ENABLE": "false",
-}
+from onceflow.local_kafka import LocalKafka
 
 
 def pytest_addoption(parser) -> None:
@@ -53,71 +32,16 @@ def pytest_addoption(parser) -> None:
     )
 
 
-def docker_engine_answers() -> bool:
-    """True only when a Docker engine (not just the client) responds to a ping."""
-    try:
-        import docker
-
-        docker.from_env(timeout=3).ping()
-        return True
-    except Exception:
-        return False
+@pytest.fixture(scope="session")
+def kafka_bootstrap(onceflow_kafka: str) -> str:
+    """The session's broker: onceflow's pytest plugin chooses it (onceflow/testing.py)."""
+    return onceflow_kafka
 
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap() -> Iterator[str]:
-    if bootstrap := os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
-        yield bootstrap
-        return
-    if docker_engine_answers():
-        from testcontainers.core.container import DockerContainer
-        from testcontainers.core.waiting_utils import wait_for_logs
-
-        port = free_port()
-        container = DockerContainer(f"apache/kafka:{KAFKA_VERSION}").with_bind_ports(9092, port)
-        for key, value in {
-            **KAFKA_CONTAINER_ENV,
-            "KAFKA_ADVERTISED_LISTENERS": f"PLAINTEXT://127.0.0.1:{port}",
-        }.items():
-            container = container.with_env(key, value)
-        with container:
-            wait_for_logs(container, "Kafka Server started", timeout=120)
-            yield f"127.0.0.1:{port}"
-        return
-    broker = LocalKafka.from_env()
-    started_here = broker.pid() is None
-    bootstrap = broker.start()
-    yield bootstrap
-    if started_here:
-        broker.stop()
-
-
-@pytest.fixture(scope="session")
-def schema_registry(kafka_bootstrap: str) -> Iterator[str]:
-    """The URL of a Confluent-compatible schema registry (Confluent's API)."""
-    if url := os.environ.get("SCHEMA_REGISTRY_URL"):
-        yield url
-        return
-    if docker_engine_answers():
-        from testcontainers.core.container import DockerContainer
-        from testcontainers.core.waiting_utils import wait_for_logs
-
-        port = free_port()
-        container = DockerContainer(
-            f"apicurio/apicurio-registry:{REGISTRY_VERSION}"
-        ).with_bind_ports(8080, port)
-        for key, value in environment().items():
-            container = container.with_env(key, value)
-        with container:
-            wait_for_logs(container, "Installed features", timeout=120)
-            yield f"http://127.0.0.1:{port}{API_PATH}"
-        return
-    registry = dataclasses.replace(LocalRegistry.from_env(), kafka_bootstrap=kafka_bootstrap)
-    started_here = registry.pid() is None
-    url = registry.start()
-    yield url
-    if started_here:
-        registry.stop()
+def schema_registry(onceflow_registry: str) -> str:
+    """The session's schema registry, chosen by the plugin too."""
+    return onceflow_registry
 
 
 @pytest.fixture(scope="session")

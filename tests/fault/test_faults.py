@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -288,12 +289,30 @@ def test_random_sigkills_then_restart_from_the_same_checkpoint(app, random_kills
     of an epoch, or the gap between two."""
     windowed = random_kills_pipeline == "windowed"
     kills = 12 if app.long else 2
-    seed = int(os.environ.get("ONCEFLOW_FAULT_SEED", "20261121"))
-    rng = random.Random(seed)
     per_batch = len(app.events) // (kills * 4)
     pipeline = app.pipeline(windowed=windowed, source={"max_records_per_batch": per_batch})
+    kill_each_run_at_random(app, pipeline, kills, default_seed=20261121)
+    app.drain(pipeline)
+    if windowed:
+        app.check_windows()
+    else:
+        app.check_pass_through()
+
+
+def kill_each_run_at_random(
+    app: Scenario,
+    pipeline: Path,
+    kills: int,
+    default_seed: int,
+    after_first_epoch: Callable[[int], None] = lambda run: None,
+) -> None:
+    """Start the service `kills` times and SIGKILL each run at a random moment (0-2 s) after
+    its first committed epoch; `after_first_epoch(run)` runs just before the pause. Prints
+    the seed (ONCEFLOW_FAULT_SEED replays it), the delays and the epochs of each run."""
+    seed = int(os.environ.get("ONCEFLOW_FAULT_SEED", str(default_seed)))
+    rng = random.Random(seed)
     delays, committed = [], []
-    for _ in range(kills):
+    for run in range(kills):
         service = app.service(pipeline)
         wait_until(
             lambda s=service: _epochs_done(s) or s.process.poll() is not None,
@@ -301,6 +320,7 @@ def test_random_sigkills_then_restart_from_the_same_checkpoint(app, random_kills
             "the run's first committed epoch",
         )
         assert service.process.poll() is None, service.tail()
+        after_first_epoch(run)
         delay = rng.uniform(0.0, 2.0)
         time.sleep(delay)  # the random moment of the kill, not a synchronisation
         service.kill()
@@ -309,11 +329,6 @@ def test_random_sigkills_then_restart_from_the_same_checkpoint(app, random_kills
     print(f"seed {seed}: killed {delays} s after each run's first committed epoch")
     print(f"epochs committed per run before its kill: {committed}")
     assert all(n >= 1 for n in committed), committed
-    app.drain(pipeline)
-    if windowed:
-        app.check_windows()
-    else:
-        app.check_pass_through()
 
 
 CRASH_LOOP_KILL_AFTER_S = 30.0  # the recovery goal is 10 s: README, Recovery

@@ -110,6 +110,7 @@ def test_registry_settings_from_the_environment_stay_strings():
         ),
         ({"registry": {"url": "registry:8081"}}, "registry.url: must be an http:// or https://"),
         ({"registry": {"url": "http://r", "password": "x"}}, "registry.password: unknown field"),
+        ({"registry": {"url": "https://me:pw@r:8081"}}, "registry.url: must not hold user:pass"),
         ({"sink": None}, "sink: is required"),
         ({"app_id": None, "checkpoint": {"location": "/ck"}}, "app_id: is required"),
     ],

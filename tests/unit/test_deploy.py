@@ -17,7 +17,7 @@ import yaml
 from onceflow.config import apply_env_overrides, parse
 from onceflow.local_kafka import KAFKA_VERSION
 from onceflow.local_registry import REGISTRY_VERSION, SETTINGS, environment, storage_settings
-from tests.conftest import KAFKA_CONTAINER_ENV
+from onceflow.testing import KAFKA_CONTAINER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())

@@ -42,7 +42,10 @@ class FakeRegistryServer(ThreadingHTTPServer):
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.schemas: dict[int, dict] = {}
+        self.extra: dict[int, dict] = {}  # more of an id's answer: schemaType, references
+        self.versions: dict[tuple[str, int], dict] = {}  # (subject, version) -> schema
         self.fail_next: list[int] = []  # HTTP statuses to answer before the real answer
+        self.html = 0  # answer every request with an HTML page and this status
         self.requests: list[tuple[str, str, str | None]] = []
 
     @property
@@ -67,11 +70,23 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.server.requests.append(("GET", self.path, self.headers.get("Authorization")))
         if self.server.fail_next:
-            self._answer(self.server.fail_next.pop(0), {"message": "busy"})
+            status = self.server.fail_next.pop(0)
+            self._answer(status, {"message": "busy", "error_code": status * 100 + 3})
             return
-        schema_id = int(self.path.rsplit("/", 1)[-1]) if "/schemas/ids/" in self.path else -1
-        if schema_id in self.server.schemas:
-            self._answer(200, {"schema": json.dumps(self.server.schemas[schema_id])})
+        if self.server.html:  # not a registry: a login page, a proxy, another service
+            body = b"<html>sign in</html>"
+            self.send_response(self.server.html)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        parts = self.path.strip("/").split("/")
+        if parts[:2] == ["schemas", "ids"] and int(parts[2]) in self.server.schemas:
+            schema_id = int(parts[2])
+            schema = json.dumps(self.server.schemas[schema_id])
+            self._answer(200, {"schema": schema, **self.server.extra.get(schema_id, {})})
+        elif parts[0] == "subjects" and (parts[1], int(parts[3])) in self.server.versions:
+            self._answer(200, {"schema": json.dumps(self.server.versions[parts[1], int(parts[3])])})
         else:
             self._answer(404, {"error_code": 40403, "message": "Schema not found"})
 
@@ -91,10 +106,13 @@ def server() -> Iterator[FakeRegistryServer]:
 
 
 @pytest.fixture(autouse=True)
-def empty_schema_cache() -> Iterator[None]:
+def empty_schema_cache(monkeypatch) -> Iterator[None]:
+    monkeypatch.setattr(registry, "UNKNOWN_ID_GRACE_S", 1.5)
     RegistryClient._by_id.clear()
+    RegistryClient._unknown_until.clear()
     yield
     RegistryClient._by_id.clear()
+    RegistryClient._unknown_until.clear()
 
 
 def test_a_framed_value_is_magic_byte_schema_id_then_the_body():
@@ -116,26 +134,96 @@ def test_credentials_never_show_in_the_url_or_the_repr():
         basic_auth_user_info="bob:hunter2",
     )
     assert settings.public_url == "https://registry.example:8081/apis/ccompat/v7"
-    assert "hunter2" not in repr(settings) and "s3cret" not in settings.public_url
+    shown = repr(settings)
+    assert "hunter2" not in shown and "s3cret" not in shown and "s3cret" not in settings.public_url
 
 
 def test_schemas_by_id_are_fetched_once_and_unknown_ids_are_named(server):
     server.schemas[7] = CLICK_V1
     client = RegistryClient(RegistrySettings(url=server.url, basic_auth_user_info="u:p"))
-    assert client.schema_by_id(7) == CLICK_V1
-    assert client.schema_by_id(7) == CLICK_V1
+    assert client.schema_by_id(7) == [CLICK_V1]
+    assert client.schema_by_id(7) == [CLICK_V1]
     assert [r[1] for r in server.requests] == ["/schemas/ids/7"]
     assert server.requests[0][2] == "Basic dTpw"  # base64 of u:p
-    with pytest.raises(registry.UnknownSchemaId, match=f"schema id 8 .* at {server.url}"):
+    with pytest.raises(registry.WriterSchemaError, match=f"schema id 8 .* at {server.url}"):
         client.schema_by_id(8)
+    asked = len(server.requests)
+    assert asked > 2, "a 404 is asked again during the grace"
+    with pytest.raises(registry.WriterSchemaError):
+        client.schema_by_id(8)
+    assert len(server.requests) == asked, "an unknown id is remembered, not asked again"
+
+
+def test_an_id_another_replica_has_not_applied_yet_is_read_not_dead_lettered(server):
+    """A registry with several replicas can answer 404 for an id a producer was just given."""
+    server.schemas[7] = CLICK_V1
+    server.fail_next = [404, 404]
+    value = registry.frame(7, avro(CLICK_V1, {"user": "a", "ts": 1}))
+    settings = RegistrySettings(url=server.url)
+    fields, reasons = decode_avro(json.dumps(CLICK_V1), ("user",), [value], settings)
+    assert reasons == [None] and fields["user"].to_pylist() == ["a"]
+
+
+def test_a_writer_schema_with_references_is_read_with_them(server):
+    address = {
+        "type": "record",
+        "name": "Address",
+        "namespace": "dev.test",
+        "fields": [{"name": "city", "type": "string"}],
+    }
+    order = {
+        "type": "record",
+        "name": "Order",
+        "namespace": "dev.test",
+        "fields": [{"name": "id", "type": "long"}, {"name": "to", "type": "dev.test.Address"}],
+    }
+    server.schemas[9] = order
+    server.extra[9] = {
+        "references": [{"name": "dev.test.Address", "subject": "address", "version": 1}]
+    }
+    server.versions["address", 1] = address
+    body = io.BytesIO()
+    named: dict = {}
+    parse_schema(address, named_schemas=named)
+    schemaless_writer(
+        body, parse_schema(order, named_schemas=named), {"id": 3, "to": {"city": "Oslo"}}
+    )
+    reader = {**order, "fields": [order["fields"][0]]}  # reads the id only
+    settings = RegistrySettings(url=server.url)
+    fields, reasons = decode_avro(
+        json.dumps(reader), ("id",), [registry.frame(9, body.getvalue())], settings
+    )
+    assert reasons == [None] and fields["id"].to_pylist() == [3]
+
+
+def test_a_schema_that_is_not_avro_makes_a_dead_letter_saying_so(server):
+    server.schemas[4] = {"syntax": "proto3"}
+    server.extra[4] = {"schemaType": "PROTOBUF"}
+    value = registry.frame(4, b"\x08\x01")
+    settings = RegistrySettings(url=server.url)
+    _, reasons = decode_avro(json.dumps(CLICK_V1), ("user",), [value], settings)
+    assert reasons == ["schema id 4 is a PROTOBUF schema, not Avro"]
 
 
 def test_a_registry_error_is_retried_until_it_answers(server):
     server.schemas[7] = CLICK_V1
-    server.fail_next = [503, 500]
+    server.fail_next = [503, 429, 500]
     client = RegistryClient(RegistrySettings(url=server.url), retry_budget_s=10)
-    assert client.schema_by_id(7) == CLICK_V1
-    assert len(server.requests) == 3
+    assert client.schema_by_id(7) == [CLICK_V1]
+    assert len(server.requests) == 4
+
+
+@pytest.mark.parametrize("status", [200, 404])
+def test_a_url_that_is_not_a_registry_fails_the_run_instead_of_dead_lettering(server, status):
+    """An HTML page, or a 404 without the registry's error code, is the wrong URL: every
+    record would otherwise become a dead letter."""
+    server.html = status
+    value = registry.frame(7, avro(CLICK_V1, {"user": "a", "ts": 1}))
+    settings = RegistrySettings(url=server.url)
+    with pytest.raises(RegistryRefusedError, match="/apis/ccompat/v7"):
+        decode_avro(json.dumps(CLICK_V1), ("user",), [value], settings)
+    with pytest.raises(RegistryRefusedError, match="Confluent-compatible"):
+        RegistryClient(settings).check()
 
 
 def test_a_registry_that_does_not_answer_fails_naming_its_url_without_credentials(server):
@@ -201,3 +289,72 @@ def test_decoding_fails_the_epoch_when_the_registry_does_not_answer(server):
         patch.setattr(RegistryClient, "__init__", short_budget)
         with pytest.raises(RegistryUnreachableError):
             decode_avro(json.dumps(CLICK_V1), ("user",), [value], settings)
+
+
+def test_a_replay_that_reads_a_record_the_first_attempt_dead_lettered_stages_nothing(
+    server, tmp_path, monkeypatch
+):
+    """Attempt 1 staged a record as a dead letter (its id was not found yet), then the epoch
+    failed; the replay decodes it. The stale staged file must go, or the record would be
+    published twice: once as a dead letter, once in the query's results."""
+    import pyarrow as pa
+    from pyspark import TaskContext
+
+    from onceflow.connectors import staging
+    from onceflow.connectors.checkpoint import CheckpointDir
+    from onceflow.routing import RoutePlan, route
+
+    checkpoint = tmp_path / "ck"
+    (checkpoint / "offsets").mkdir(parents=True)
+    (checkpoint / "offsets" / "0").write_text(
+        'v1\n{"batchWatermarkMs":0,"batchTimestampMs":0}\n{"in":{"0":1}}'
+    )
+
+    class Task:  # what route asks of Spark's TaskContext
+        def getLocalProperty(self, name):
+            return "0" if name == "streaming.sql.batchId" else None
+
+        def partitionId(self):
+            return 0
+
+    monkeypatch.setattr(TaskContext, "get", staticmethod(lambda: Task()))
+    plan = RoutePlan(
+        checkpoint=str(checkpoint),
+        format="avro-confluent",
+        fields=("user", "ts"),
+        required=(),
+        event_time_field="ts",
+        dead_letter_topic="dlq",
+        late_topic=None,
+        avro_schema_json=json.dumps(CLICK_V1),
+        registry=RegistrySettings(url=server.url),
+    )
+    value = registry.frame(7, avro(CLICK_V1, {"user": "a", "ts": 1}))
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "_key": pa.array([b"a"]),
+            "_value": pa.array([value]),
+            "_topic": pa.array(["in"]),
+            "_partition": pa.array([0], pa.int32()),
+            "_offset": pa.array([0], pa.int64()),
+            "_timestamp": pa.array([1000], pa.timestamp("us")),
+            "_headers": pa.array(
+                [[]], pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
+            ),
+        }
+    )
+    staged = lambda: [  # noqa: E731
+        t.num_rows
+        for t in staging.staged_tables(
+            CheckpointDir(checkpoint), CheckpointDir(checkpoint).batch_plan(0)
+        )
+    ]
+
+    assert list(route(plan, None, iter([batch]))) == []  # id 7 not in the registry yet
+    assert staged() == [1]
+
+    server.schemas[7] = CLICK_V1  # the replay, in a new process, finds it
+    RegistryClient._unknown_until.clear()
+    kept = list(route(plan, None, iter([batch])))
+    assert [b.num_rows for b in kept] == [1]
+    assert staged() == [], "the first attempt's dead letter is still staged"
