@@ -431,6 +431,7 @@ def topic_config(conf: dict[str, str], topic: str) -> dict[str, str]:
     try:
         return {name: entry.value for name, entry in future.result().items()}
     except KafkaException as exc:
+        _away_from_a_silent_controller(conf, [topic], exc)
         error = exc.args[0]
         if error.code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
             raise
@@ -454,6 +455,7 @@ def topic_ids(conf: dict[str, str], topics: Iterable[str]) -> dict[str, str | No
         try:
             uuid_ = future.result().topic_id
         except KafkaException as exc:
+            _away_from_a_silent_controller(conf, names, exc)
             if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
                 raise
             continue
@@ -516,6 +518,23 @@ def _every_offset_answered(offsets: dict[TP, int]) -> dict[TP, int]:
             )
         )
     return offsets
+
+
+def _away_from_a_silent_controller(
+    conf: dict[str, str], topics: list[str], exc: KafkaException
+) -> None:
+    """After a controller-routed request (describe topics, describe configs) got no answer,
+    refresh the metadata so that the next attempt goes elsewhere; raise the refresh's own
+    failure if no broker answers that either.
+
+    librdkafka sends these requests to the broker its last metadata answer named controller
+    (RD_KAFKA_ADMIN_TARGET_CONTROLLER; on KRaft, a random live broker) and waits for that one
+    alone: a broker that hangs would get every retry until the run gives up. A metadata
+    request goes to any broker that is up, and its answer names another."""
+    if exc.args and isinstance(exc.args[0], KafkaError) and exc.args[0].code() in NO_ANSWER:
+        unanswered = _refresh_metadata(conf, topics[:1])
+        if unanswered is not None:
+            raise unanswered from exc
 
 
 def _refresh_metadata(conf: dict[str, str], topics: Iterable[str]) -> KafkaException | None:

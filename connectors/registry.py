@@ -36,14 +36,26 @@ MAGIC_BYTE = 0
 HEADER_BYTES = 5  # the magic byte and the schema id
 REQUEST_TIMEOUT_S = 10.0
 RETRY_BUDGET_S = 30.0
-UNKNOWN_ID_GRACE_S = 5.0  # how long a 404 for an id is asked again
+UNKNOWN_ID_GRACE_S = 5.0  # how long 404s for ids are asked again, per batch of records
+UNKNOWN_IDS_ASKED = 20  # unknown ids asked about per batch; the others are dead letters
 UNKNOWN_ID_REMEMBERED_S = 60.0  # then records with that id are dead letters without asking
+UNKNOWN_IDS_KEPT = 10_000  # at most, in that memory
 CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
 
 
 class WriterSchemaError(LookupError):
     """The record's writer schema cannot be had (an id the registry does not know, a schema
     that is not Avro): the record is a dead letter, with this message as its reason."""
+
+
+@dataclass
+class UnknownIdBudget:
+    """What one batch of records may spend on ids the registry does not know. Values that
+    only look framed (plain Avro starting with a 0 byte: a null, a 0, an empty string) carry
+    a different "id" each; without a budget each would cost seconds of asking."""
+
+    grace_s: float = field(default_factory=lambda: UNKNOWN_ID_GRACE_S)
+    asks: int = field(default_factory=lambda: UNKNOWN_IDS_ASKED)
 
 
 class _Retriable(Exception):
@@ -115,31 +127,38 @@ class RegistryClient:
         self._base = settings.url.rstrip("/")
         self._context = self._ssl_context()
 
-    def schema_by_id(self, schema_id: int) -> list[dict]:
+    def schema_by_id(self, schema_id: int, budget: UnknownIdBudget | None = None) -> list[dict]:
         """The writer schema with this id, last, after the schemas it references (each before
-        the ones that use it); WriterSchemaError if there is no Avro schema with this id."""
+        the ones that use it); WriterSchemaError if there is no Avro schema with this id.
+        `budget` bounds what ids the registry does not know may cost (one per call if None)."""
         key = (self._base, schema_id)
         with self._lock:
             cached = self._by_id.get(key)
             unknown = self._unknown_until.get(key, 0.0) > time.monotonic()
         if cached is not None:
             return cached
-        if not unknown:
-            answer = self._schema_answer(schema_id)
-            if answer is not None:
-                schemas = [*self._referenced(answer, set()), self._avro(answer, f"id {schema_id}")]
-                with self._lock:
-                    self._by_id[key] = schemas
-                return schemas
-            with self._lock:
-                self._unknown_until[key] = time.monotonic() + UNKNOWN_ID_REMEMBERED_S
-        raise WriterSchemaError(
-            f"schema id {schema_id} is not in the registry at {self.settings.public_url}"
-        )
+        budget = budget or UnknownIdBudget()
+        missing = f"schema id {schema_id} is not in the registry at {self.settings.public_url}"
+        if unknown:
+            raise WriterSchemaError(missing)
+        if budget.asks <= 0:
+            raise WriterSchemaError(
+                f"{missing} (not asked: more than {UNKNOWN_IDS_ASKED} ids of this batch are "
+                "not in the registry; are its values in the Confluent wire format?)"
+            )
+        answer = self._schema_answer(schema_id, budget)
+        if answer is None:
+            budget.asks -= 1
+            self._remember_unknown(key)
+            raise WriterSchemaError(missing)
+        schemas = [*self._referenced(answer, set()), self._avro(answer, f"id {schema_id}")]
+        with self._lock:
+            self._by_id[key] = schemas
+        return schemas
 
-    def _schema_answer(self, schema_id: int) -> dict | None:
-        """The registry's answer for an id, or None when it still says 404 after the grace."""
-        deadline = time.monotonic() + UNKNOWN_ID_GRACE_S
+    def _schema_answer(self, schema_id: int, budget: UnknownIdBudget) -> dict | None:
+        """The registry's answer for an id, or None when it says 404 until the budget's grace
+        is spent (another replica may not have applied an id a producer was just given)."""
         pause = 0.2
         while True:
             status, answer = self._call("GET", f"/schemas/ids/{schema_id}")
@@ -147,10 +166,21 @@ class RegistryClient:
             if status != 404 or code not in UNKNOWN_ID_CODES:
                 self._refused_unless_ok(status, answer, f"reading schema id {schema_id}")
                 return answer
-            if time.monotonic() + pause > deadline:
+            if pause > budget.grace_s:
                 return None
-            time.sleep(pause)  # another replica may not have applied the id yet
+            time.sleep(pause)
+            budget.grace_s -= pause
             pause *= 2
+
+    def _remember_unknown(self, key: tuple[str, int]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if len(self._unknown_until) >= UNKNOWN_IDS_KEPT:
+                for old in [k for k, until in self._unknown_until.items() if until <= now]:
+                    del self._unknown_until[old]
+                if len(self._unknown_until) >= UNKNOWN_IDS_KEPT:
+                    self._unknown_until.clear()
+            self._unknown_until[key] = now + UNKNOWN_ID_REMEMBERED_S
 
     def _referenced(self, answer: dict, seen: set[tuple[str, int]]) -> list[dict]:
         """The schemas `answer` references, recursively, each before the ones that use it."""
@@ -161,7 +191,10 @@ class RegistryClient:
                 continue
             seen.add((subject, version))
             quoted = urllib.parse.quote(subject, safe="")
-            status, found = self._call("GET", f"/subjects/{quoted}/versions/{version}")
+            # A soft-deleted version still resolves the records written with it (as
+            # Confluent's own client asks).
+            path = f"/subjects/{quoted}/versions/{version}?deleted=true"
+            status, found = self._call("GET", path)
             what = f"version {version} of {subject!r}, referenced by a writer schema"
             self._refused_unless_ok(status, found, f"reading {what}")
             schemas += [*self._referenced(found, seen), self._avro(found, what)]
@@ -186,6 +219,8 @@ class RegistryClient:
         """Ask the registry for its subjects: RegistryRefusedError when the URL answers but is
         not a registry's API (a wrong path would turn every record into a dead letter)."""
         status, answer = self._call("GET", "/subjects")
+        if status in (401, 403):
+            self._refused_unless_ok(status, answer, "listing its subjects")
         if status == 200 and isinstance(answer, list):
             return
         raise RegistryRefusedError(

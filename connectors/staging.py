@@ -11,9 +11,11 @@ Three rules keep staging exactly-once:
   write its commit log; after a host crash it is whole or absent.
 - Files live under the batch's plan fingerprint (see CheckpointDir.staging_dir): a file
   left by another plan of the same batch id is never published. Within one plan a
-  retried task replaces its own file, or removes it when this attempt has no side records
-  (a record dead-lettered because its schema id was not found yet may decode on the
-  replay), and the sink publishes each source position once.
+  retried task replaces its own file, and the sink publishes each source position once.
+- Before a query starts, what earlier runs staged for batches not in Spark's commit log is
+  discarded (`discard_uncommitted`): those batches are recomputed whole, and their tasks may
+  stage other records than last time (a record dead-lettered because its schema id was not
+  found yet decodes on the replay) under other task numbers (another parallelism).
 - A file that cannot be read fails the epoch with StagingError and is removed: the
   epoch is not in Spark's commit log, so a restart recomputes its tasks and stages anew.
 """
@@ -22,22 +24,16 @@ from __future__ import annotations
 
 import shutil
 
-from .checkpoint import BatchPlan, CheckpointDir, fsync, write_atomically
+from .checkpoint import BatchPlan, CheckpointDir, write_atomically
 from .errors import StagingError
 from .records import staged_schema
 
 
 def stage(checkpoint: CheckpointDir, plan: BatchPlan, task: int, rows: list[dict]) -> None:
-    """Write one task's side records durably and atomically; with none, remove what an
-    earlier attempt of the task staged (durably too: before the task ends)."""
+    """Write one task's side records durably and atomically."""
     import pyarrow as pa
 
     path = checkpoint.staging_dir(plan) / f"part-{task:05d}.arrow"
-    if not rows:
-        if path.exists():
-            path.unlink()
-            fsync(path.parent)
-        return
     table = pa.Table.from_pylist(rows, schema=staged_schema(pa))
     buffer = pa.BufferOutputStream()
     with pa.ipc.new_file(buffer, table.schema) as writer:
@@ -65,6 +61,19 @@ def staged_tables(checkpoint: CheckpointDir, plan: BatchPlan) -> list:
                 "(nothing of it was published)"
             ) from None
     return tables
+
+
+def discard_uncommitted(checkpoint: CheckpointDir) -> None:
+    """Forget what was staged for batches after the last one in Spark's commit log. They are
+    recomputed whole when the query starts (a batch whose transaction did commit is then
+    skipped by the sink's marker check, so its staged records are not needed either)."""
+    root = checkpoint.staging_root()
+    if not root.is_dir():
+        return
+    last = max(checkpoint.committed_batches(), default=-1)
+    for child in root.iterdir():
+        if child.name.isdigit() and int(child.name) > last:
+            shutil.rmtree(child)
 
 
 def clean_up_to(checkpoint: CheckpointDir, batch_id: int) -> None:

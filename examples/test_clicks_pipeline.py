@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from onceflow.testing import assert_published
+
+pytestmark = pytest.mark.integration  # a real Kafka and a real Spark session
 
 PIPELINE = Path(__file__).resolve().parents[1] / "deploy" / "pipeline.yaml"  # yours here
 T0 = 1_700_000_000_000  # a window boundary (10 s windows)

@@ -93,6 +93,7 @@ def decode_avro(
 
     reader = parsed_avro_schema(schema_json)
     client = registry_wire.client_for(registry) if registry is not None else None
+    budget = registry_wire.UnknownIdBudget()
     columns: dict[str, list] = {f: [] for f in fields}
     reasons: list[str | None] = []
     for value in values:
@@ -110,7 +111,7 @@ def decode_avro(
                     columns[f].append(None)
                 continue
             try:
-                writer = _writer_schema(client, schema_id)
+                writer = _writer_schema(client, schema_id, budget)
             except WriterSchemaError as exc:  # the registry's own failures fail the epoch
                 reason = str(exc)
             else:
@@ -146,9 +147,11 @@ def _schema_name(schema) -> str:
     return "union" if isinstance(schema, list) else str(schema)
 
 
-def _writer_schema(client: RegistryClient, schema_id: int) -> dict:
+def _writer_schema(
+    client: RegistryClient, schema_id: int, budget: registry_wire.UnknownIdBudget
+) -> dict:
     """The parsed writer schema of an id, its references parsed into the same names."""
-    schemas = json.dumps(client.schema_by_id(schema_id), sort_keys=True)
+    schemas = json.dumps(client.schema_by_id(schema_id, budget), sort_keys=True)
     try:
         return parsed_with_references(schemas)
     except WriterSchemaError as exc:

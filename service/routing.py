@@ -85,8 +85,8 @@ def route(plan: RoutePlan, input_bytes, batches: Iterator) -> Iterator:
         keep = ~(dead | late)
         if keep.any():
             yield _output_batch(plan, records, fields, event_ms, keep, pa)
-    # Always: an earlier attempt of this task may have staged records this one kept.
-    staging.stage(CheckpointDir(plan.checkpoint), batch, context.partitionId(), side)
+    if side:
+        staging.stage(CheckpointDir(plan.checkpoint), batch, context.partitionId(), side)
 
 
 # -- decoding ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import time
 from pyspark.errors import StreamingQueryException
 from pyspark.sql.streaming import StreamingQuery
 
-from onceflow.connectors import errors, faults
+from onceflow.connectors import errors, faults, staging
 from onceflow.connectors.checkpoint import CheckpointDir
 
 from . import pipeline
@@ -136,6 +136,7 @@ def _run_query(
     """Start the query and wait until it ends or `stop` or `lost` is set; start it again
     after a start it missed (`pipeline.missed_its_start`), up to START_ATTEMPTS starts."""
     for attempt in range(1, pipeline.START_ATTEMPTS + 1):
+        staging.discard_uncommitted(CheckpointDir(config.checkpoint_location))
         query = pipeline.start(spark, config, available_now, input_bytes)
         log.info("query %s started (checkpoint %s)", config.app_id, config.checkpoint_location)
         with contextlib.suppress(StreamingQueryException):  # run() reports it, in one line

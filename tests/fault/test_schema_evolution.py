@@ -13,8 +13,9 @@ import json
 
 import pytest
 
+from onceflow.connectors.topics import read_committed
 from tests.fault.test_faults import BASE, FLUSH_TS, USERS, Scenario, kill_each_run_at_random
-from tests.helpers import produce
+from tests.helpers import produce, wait_until
 
 pytestmark = pytest.mark.fault
 CLICK_V1 = {
@@ -79,11 +80,27 @@ def test_producers_switch_schema_mid_run_under_random_sigkills(
         registry={"url": schema_registry},
     )
 
-    def switch_to_v2(run: int) -> None:  # the producers move on while the service reads v1
+    checkpoint = tmp_path / "checkpoint"
+
+    def switch_to_v2(run: int) -> None:
+        """The producers move on while the first run reads v1, and that run commits an epoch
+        with v2 records before its kill (the same process meets the new id)."""
         if run == 0:
             write(v2, enumerate(events[half:], start=half))
+            wait_until(lambda: _committed_through(checkpoint) > half, 120, "a v2 epoch")
 
     kill_each_run_at_random(app, pipeline, kills, 20261125, after_first_epoch=switch_to_v2)
     write(v2, [(0, ("u0", FLUSH_TS))])  # moves the watermark past every window of `events`
     app.drain(pipeline)
     app.check_windows()
+    assert read_committed(kafka_bootstrap, topics["dlq"]) == []
+
+
+def _committed_through(checkpoint) -> int:
+    """Input records up to the end of the newest epoch in Spark's commit log."""
+    commits = [int(p.name) for p in checkpoint.glob("commits/[0-9]*")]
+    if not commits:
+        return 0
+    offsets = (checkpoint / "offsets" / str(max(commits))).read_text().splitlines()[-1]
+    ranges = json.loads(offsets)
+    return sum(sum(ends.values()) for topic, ends in ranges.items() if not topic.startswith("@"))

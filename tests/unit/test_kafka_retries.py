@@ -29,6 +29,7 @@ class StandInAdmin:
         self.answers = answers
         self.metadata_error = metadata_error
         self.requests = 0
+        self.metadata_requests = 0
         self.timeouts: list[float] = []
 
     def list_offsets(self, request, request_timeout=None, **_):
@@ -46,8 +47,28 @@ class StandInAdmin:
         return futures
 
     def list_topics(self, *_, **__):
+        self.metadata_requests += 1
         if self.metadata_error is not None:
             raise KafkaException(self.metadata_error)
+
+    def describe_topics(self, topics, request_timeout=None, **_):
+        """Like librdkafka: sent to the cached controller, which hangs until a metadata
+        request has named another."""
+        self.requests += 1
+        future: Future = Future()
+        if self.metadata_requests == 0:
+            future.set_exception(KafkaException(KafkaError(KafkaError._TIMED_OUT, "timed out")))
+        else:
+            uuid_ = type(
+                "Uuid",
+                (),
+                {
+                    "get_most_significant_bits": lambda s: 1,
+                    "get_least_significant_bits": lambda s: 2,
+                },
+            )()
+            future.set_result(type("Description", (), {"topic_id": uuid_})())
+        return {name: future for name in topics.topic_names}
 
     def poll(self, _):
         return 0
@@ -97,6 +118,15 @@ def test_an_offset_look_up_gives_its_first_attempt_2_s_and_the_next_ones_5(stand
     assert kafka_clients.stable_ends(CONF, [("in", 0)]) == {("in", 0): 42}
     assert kafka_clients.stable_ends(CONF, [("in", 0)]) == {("in", 0): 43}
     assert client.timeouts == [2, 5, 5, 2]
+
+
+def test_a_topic_id_request_that_a_hung_controller_left_unanswered_goes_elsewhere(stand_in):
+    """describe_topics waits on one broker (the controller in the client's metadata): only a
+    metadata refresh sends the next attempt to another. Without it every retry waited on a
+    hung broker until the run gave up (tests/fault/test_cluster.py, a hung coordinator)."""
+    client = stand_in(StandInAdmin([0]))
+    assert list(kafka_clients.topic_ids(CONF, ["in"])) == ["in"]
+    assert client.requests == 2 and client.metadata_requests == 1
 
 
 def test_a_partition_answered_without_an_offset_is_asked_again(stand_in):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -80,7 +81,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(body)
             return
-        parts = self.path.strip("/").split("/")
+        parts = self.path.split("?")[0].strip("/").split("/")
         if parts[:2] == ["schemas", "ids"] and int(parts[2]) in self.server.schemas:
             schema_id = int(parts[2])
             schema = json.dumps(self.server.schemas[schema_id])
@@ -162,6 +163,21 @@ def test_an_id_another_replica_has_not_applied_yet_is_read_not_dead_lettered(ser
     settings = RegistrySettings(url=server.url)
     fields, reasons = decode_avro(json.dumps(CLICK_V1), ("user",), [value], settings)
     assert reasons == [None] and fields["user"].to_pylist() == ["a"]
+
+
+def test_values_that_only_look_framed_cost_a_bounded_time_each_batch(server):
+    """Plain Avro starting with a 0 byte reads as the wire format with a different "id" per
+    record: each is a dead letter, without seconds of asking per record."""
+    settings = RegistrySettings(url=server.url)
+    values = [registry.frame(1000 + i, b"\x02a") for i in range(60)]
+    started = time.monotonic()
+    _, reasons = decode_avro(json.dumps(CLICK_V1), ("user",), values, settings)
+    assert time.monotonic() - started < 10
+    asked = [r for r in reasons if "not asked" not in r]
+    assert len(asked) == registry.UNKNOWN_IDS_ASKED
+    assert all("is not in the registry at" in r for r in reasons)
+    assert "are its values in the Confluent wire format?" in reasons[-1]
+    assert len(server.requests) < registry.UNKNOWN_IDS_ASKED + 5  # the grace is spent once
 
 
 def test_a_writer_schema_with_references_is_read_with_them(server):
@@ -291,15 +307,19 @@ def test_decoding_fails_the_epoch_when_the_registry_does_not_answer(server):
             decode_avro(json.dumps(CLICK_V1), ("user",), [value], settings)
 
 
-def test_a_replay_that_reads_a_record_the_first_attempt_dead_lettered_stages_nothing(
+def test_a_restart_discards_what_a_failed_attempt_staged_before_the_replay(
     server, tmp_path, monkeypatch
 ):
-    """Attempt 1 staged a record as a dead letter (its id was not found yet), then the epoch
-    failed; the replay decodes it. The stale staged file must go, or the record would be
-    published twice: once as a dead letter, once in the query's results."""
+    """Attempt 1 staged a record as a dead letter (its id was not found yet), then the run
+    died before the epoch committed; the replay decodes it, maybe in another task (another
+    parallelism). What attempt 1 staged must be gone before the query starts again, or the
+    record would be published twice: as a dead letter and in the query's results."""
+    import types
+
     import pyarrow as pa
     from pyspark import TaskContext
 
+    from onceflow import runner
     from onceflow.connectors import staging
     from onceflow.connectors.checkpoint import CheckpointDir
     from onceflow.routing import RoutePlan, route
@@ -353,8 +373,19 @@ def test_a_replay_that_reads_a_record_the_first_attempt_dead_lettered_stages_not
     assert list(route(plan, None, iter([batch]))) == []  # id 7 not in the registry yet
     assert staged() == [1]
 
-    server.schemas[7] = CLICK_V1  # the replay, in a new process, finds it
+    class Started(Exception):
+        pass
+
+    def start(*args):
+        raise Started
+
+    monkeypatch.setattr(runner.pipeline, "start", start)  # the restart, up to its query's start
+    config = types.SimpleNamespace(checkpoint_location=str(checkpoint), app_id="app")
+    with pytest.raises(Started):
+        runner._run_query(None, config, True, None, None, None)
+    assert staged() == [], "the failed attempt's dead letter is still staged"
+
+    server.schemas[7] = CLICK_V1  # the replay, in a new process, finds the id
     RegistryClient._unknown_until.clear()
-    kept = list(route(plan, None, iter([batch])))
-    assert [b.num_rows for b in kept] == [1]
-    assert staged() == [], "the first attempt's dead letter is still staged"
+    assert [b.num_rows for b in route(plan, None, iter([batch]))] == [1]
+    assert staged() == []
