@@ -10,6 +10,10 @@ Installed with onceflow (a `pytest11` entry point), it gives every test of the p
   fresh topics and a fresh checkpoint, and returns what it published (`Published`);
 and `assert_published`, which compares published records with expected ones as multisets and
 names the duplicates, the missing and the unexpected ones by key.
+
+Runs share the test process' Spark session (started by the first, ~5 s): a pipeline's
+`spark.conf` settings that Spark can change at run time carry over to later runs, and those
+it cannot are those of the first run.
 """
 
 from __future__ import annotations
@@ -183,7 +187,7 @@ def run_pipeline(
     the test (Kafka settings by `bootstrap` alone: a production file's credentials do not
     apply to the test broker); what it computes is unchanged.
     """
-    from onceflow.config import parse
+    from onceflow.config import parse, resolve_references
     from onceflow.connectors.topics import create_topic
     from onceflow.runner import run
 
@@ -204,7 +208,7 @@ def run_pipeline(
     raw["spark"] = {**(raw.get("spark") or {}), "master": "local[2]"}
     if registry_url:
         raw["registry"] = {"url": registry_url}
-    config = parse(raw, base_dir=base_dir)
+    config = parse(resolve_references(raw, os.environ), base_dir=base_dir)  # ${NAME}s left
     for topic in [*config.source.topics, sink["topic"]]:
         create_topic(bootstrap, topic, partitions)
     for name in ("dead_letter_topic", "late_topic"):
