@@ -94,6 +94,7 @@ def decode_avro(
     reader = parsed_avro_schema(schema_json)
     client = registry_wire.client_for(registry) if registry is not None else None
     budget = registry_wire.UnknownIdBudget()
+    writers: dict[int, dict] = {}  # parsed writer schemas of this batch, by id
     columns: dict[str, list] = {f: [] for f in fields}
     reasons: list[str | None] = []
     for value in values:
@@ -103,25 +104,36 @@ def decode_avro(
         elif client is None:
             record, reason = _read_avro(schemaless_reader, value, reader, None, "schema")
         else:
-            try:
-                schema_id, body = registry_wire.unframe(value)
-            except ValueError as exc:
-                reasons.append(str(exc))
-                for f in fields:
-                    columns[f].append(None)
-                continue
-            try:
-                writer = _writer_schema(client, schema_id, budget)
-            except WriterSchemaError as exc:  # the registry's own failures fail the epoch
-                reason = str(exc)
-            else:
-                what = f"writer schema id {schema_id}"
-                record, reason = _read_avro(schemaless_reader, body, writer, reader, what)
+            record, reason = _read_framed(client, budget, writers, value, reader)
         reasons.append(reason)
         for f in fields:
             columns[f].append(record.get(f) if record else None)
     types = avro_arrow_types(json.loads(schema_json or "{}"))
     return {f: pa.array(columns[f], types[f]) for f in fields}, reasons
+
+
+def _read_framed(
+    client: RegistryClient,
+    budget: registry_wire.UnknownIdBudget,
+    writers: dict[int, dict],
+    value: bytes,
+    reader: dict,
+):
+    """(record, None) of a value in the Confluent wire format resolved to `reader`, or (None,
+    why not). `writers` keeps the batch's parsed writer schemas by id."""
+    from fastavro import schemaless_reader
+
+    try:
+        schema_id, body = registry_wire.unframe(value)
+    except ValueError as exc:
+        return None, str(exc)
+    if schema_id not in writers:
+        try:
+            writers[schema_id] = _writer_schema(client, schema_id, budget)
+        except WriterSchemaError as exc:  # the registry's own failures fail the epoch
+            return None, str(exc)
+    what = f"writer schema id {schema_id}"
+    return _read_avro(schemaless_reader, body, writers[schema_id], reader, what)
 
 
 def _read_avro(read, body: bytes, writer: dict, reader: dict | None, what: str):

@@ -191,15 +191,7 @@ class LocalKafka:
 
     def pid(self) -> int | None:
         """The pid of our broker if its process is alive (a stale pid file counts as none)."""
-        try:
-            pid = int(self.pid_file.read_text().strip())
-        except (FileNotFoundError, ValueError):
-            return None
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except FileNotFoundError:
-            return None
-        return pid if b"kafka.Kafka" in cmdline else None
+        return local_process.pid_in(self.pid_file, b"kafka.Kafka")
 
     def answers(self, timeout: float = 2.0) -> bool:
         """True when a broker on our port answers a metadata request."""

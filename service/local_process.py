@@ -29,6 +29,17 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def pid_in(pid_file: Path, command_mark: bytes) -> int | None:
+    """The pid in `pid_file` if that process is alive and its command line holds
+    `command_mark` (a stale pid file, or a pid the system gave to another program: None)."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if command_mark in cmdline and alive(pid) else None
+
+
 def require_tool(tool: str, what: str) -> str:
     path = shutil.which(tool)
     if path is None:

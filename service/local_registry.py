@@ -28,7 +28,6 @@ from pathlib import Path
 from . import local_process
 from .local_process import (
     LocalServiceError,
-    alive,
     locked,
     port_open,
     require_tool,
@@ -118,12 +117,7 @@ class LocalRegistry:
 
     def pid(self) -> int | None:
         """The pid of our registry if its process is alive (a stale pid file counts as none)."""
-        try:
-            pid = int(self.pid_file.read_text().strip())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (FileNotFoundError, ValueError):
-            return None
-        return pid if b"apicurio-registry-app" in cmdline and alive(pid) else None
+        return local_process.pid_in(self.pid_file, b"apicurio-registry-app")
 
     def answers(self, timeout: float = 2.0) -> bool:
         """True when the registry on our port answers Confluent's API."""

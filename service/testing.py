@@ -99,7 +99,7 @@ def onceflow_kafka() -> Iterator[str]:
         from testcontainers.core.container import DockerContainer
         from testcontainers.core.waiting_utils import wait_for_logs
 
-        port = _free_port()
+        port = free_port()
         container = DockerContainer(f"apache/kafka:{KAFKA_VERSION}").with_bind_ports(9092, port)
         for key, value in {
             **KAFKA_CONTAINER_ENV,
@@ -128,7 +128,7 @@ def onceflow_registry(onceflow_kafka: str) -> Iterator[str]:
         from testcontainers.core.container import DockerContainer
         from testcontainers.core.waiting_utils import wait_for_logs
 
-        port = _free_port()
+        port = free_port()
         image = f"apicurio/apicurio-registry:{REGISTRY_VERSION}"
         container = DockerContainer(image).with_bind_ports(8080, port)
         for key, value in environment().items():  # schemas in memory: the container's life
@@ -315,7 +315,8 @@ def _maybe_json(value: bytes | None):
         return value
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

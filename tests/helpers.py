@@ -16,6 +16,7 @@ from pyspark.errors import StreamingQueryException
 
 from onceflow.local_kafka import LocalKafka
 from onceflow.pipeline import START_ATTEMPTS, missed_its_start
+from onceflow.testing import free_port  # noqa: F401  (the tests' name for it)
 
 
 def produce(
@@ -47,12 +48,6 @@ def produce(
     if transactional:
         producer.commit_transaction(30)
     assert producer.flush(30) == 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_ports(count: int) -> int:
