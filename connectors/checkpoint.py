@@ -24,6 +24,7 @@ STAGING = "onceflow-staged"
 SINK_STATS = "onceflow-sink-stats.json"
 SOURCE_STATS = "onceflow-source-stats.json"
 INITIAL_OFFSETS = "onceflow-initial-offsets.json"
+DEFAULT_SOURCE = "input"  # a pipeline's only input; its file keeps the name it always had
 CLAIM = "onceflow-app.json"
 # Spark writes its logs and state files through a CheckpointFileManager. Its default
 # (FileContext) forks 8 `readlink`s per file on a local disk (Hadoop 3.5 without its native
@@ -91,6 +92,10 @@ class CheckpointDir:
         fingerprint = hashlib.sha256(previous + b"\0" + raw).hexdigest()[:16]
         return BatchPlan(batch_id, sources, int(metadata.get("batchWatermarkMs", 0)), fingerprint)
 
+    def planned(self, batch_id: int) -> bool:
+        """Whether Spark wrote batch `batch_id` ahead in its offset log."""
+        return self._offset_log(batch_id) is not None
+
     def _offset_log(self, batch_id: int) -> bytes | None:
         try:
             return (self.path / "offsets" / str(batch_id)).read_bytes()
@@ -106,12 +111,12 @@ class CheckpointDir:
 
     # -- the source's initial offsets --------------------------------------------------------
 
-    def initial_offsets(self) -> dict | None:
-        """The offsets the query started from, if it already chose them."""
-        return self._read_json(INITIAL_OFFSETS)
+    def initial_offsets(self, source: str = DEFAULT_SOURCE) -> dict | None:
+        """The offsets the query's input `source` started from, if it already chose them."""
+        return self._read_json(_initial_offsets_file(source))
 
-    def save_initial_offsets(self, offsets: dict) -> None:
-        write_atomically(self.path / INITIAL_OFFSETS, json.dumps(offsets).encode())
+    def save_initial_offsets(self, offsets: dict, source: str = DEFAULT_SOURCE) -> None:
+        write_atomically(self.path / _initial_offsets_file(source), json.dumps(offsets).encode())
 
     # -- staged side records -----------------------------------------------------------------
 
@@ -199,3 +204,10 @@ def fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _initial_offsets_file(source: str) -> str:
+    """Each input of a query chooses its initial offsets once, in a file of its own."""
+    if source == DEFAULT_SOURCE:
+        return INITIAL_OFFSETS
+    return INITIAL_OFFSETS.replace(".json", f"-{source}.json")

@@ -7,6 +7,9 @@ the source recognises a recreated topic even when the new one already holds more
 the checkpoint's offset ('@' cannot appear in a topic name, so the key names no topic).
 Ids a topic had before it was recreated are kept under `@retiredTopicIds`: a broker whose
 metadata lags may still answer with one, and that answer must not count as another recreation.
+A named input of a query with several (`sources:`) writes its name under `@input`: Spark
+hands each source the offsets at its place in the query, and a query whose inputs changed
+places must not read one input from another's offsets.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Mapping
 TP = tuple[str, int]
 TOPIC_IDS = "@topicIds"
 RETIRED_IDS = "@retiredTopicIds"
+INPUT = "@input"
 RETIRED_KEPT = 5  # per topic, the newest
 
 
@@ -39,14 +43,20 @@ def retired_ids(logged: Mapping) -> dict[str, list[str]]:
     return {t: list(ids) for t, ids in logged.get(RETIRED_IDS, {}).items()}
 
 
+def input_of(logged: Mapping) -> str | None:
+    """The input a logged offset was written by; None for a query's only input."""
+    return logged.get(INPUT)
+
+
 def logged(
     offsets: Mapping[TP, int],
     ids: Mapping[str, str | None] | None = None,
     retired: Mapping[str, list[str]] | None = None,
+    input_name: str | None = None,
 ) -> dict:
     """The JSON-able offset Spark writes ahead: offsets nested per topic, then the topic ids
-    (None: the broker reports no id) and the retired ones. Spark compares offsets as text, so
-    the order is fixed."""
+    (None: the broker reports no id), the retired ones and the input's name. Spark compares
+    offsets as text, so the order is fixed."""
     nested: dict = {}
     for (t, p), o in sorted(offsets.items()):
         nested.setdefault(t, {})[str(p)] = int(o)
@@ -56,4 +66,6 @@ def logged(
     kept = {t: list(retired[t])[-RETIRED_KEPT:] for t in sorted(retired or {}) if retired[t]}
     if kept:
         nested[RETIRED_IDS] = kept
+    if input_name is not None:
+        nested[INPUT] = input_name
     return nested

@@ -25,7 +25,7 @@ from pyspark.sql.streaming.datasource import (
 )
 
 from . import kafka_clients, offsets
-from .checkpoint import CheckpointDir
+from .checkpoint import DEFAULT_SOURCE, CheckpointDir
 from .errors import DataLossError, OnceflowError, OptionError
 from .options import (
     RESERVED_CONSUMER_KEYS,
@@ -93,6 +93,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # and offsets lost with failOnDataLoss=false are counted there for the metrics.
         location = options.get("checkpointLocation")
         self.checkpoint = CheckpointDir(location) if location else None
+        # A query with several inputs names each: each keeps its own initial offsets and
+        # writes its name into its offsets (see offsets.INPUT).
+        self.input_name = options.get("inputName", DEFAULT_SOURCE)
+        self._tag = None if self.input_name == DEFAULT_SOURCE else self.input_name
         self._latest: Offsets | None = None
         self._epochs_planned = 0  # epochs with records this process planned
         self._available_now_target: dict[tuple[str, int], int] | None = None
@@ -121,8 +125,19 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def initialOffset(self) -> dict:
         """Where the query starts, chosen once: Spark asks again when it replays batch 0, and
         "latest" (or "earliest", after retention) would answer differently."""
-        if self.checkpoint is not None and (chosen := self.checkpoint.initial_offsets()):
+        if self.checkpoint is not None and (
+            chosen := self.checkpoint.initial_offsets(self.input_name)
+        ):
             return chosen
+        if self._tag is not None and self.checkpoint is not None and self.checkpoint.planned(0):
+            # Batch 0 is replayed from these offsets: choosing them anew (for an input that
+            # was renamed, or added) could skip or repeat records of its first run.
+            raise OnceflowError(
+                f"input {self.input_name!r} has no initial offsets in checkpoint "
+                f"{self.checkpoint.location}, which planned its first batch already: the input "
+                "was renamed or added since. Restore its name, or start with a new checkpoint "
+                "location."
+            )
         tps, ids, earliest, stable = self._look_up()
         if isinstance(self.starting, dict):
             starts = self._specific_offsets(tps, self.starting)
@@ -130,9 +145,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             starts = earliest
         else:
             starts = stable
-        chosen = offsets.logged(starts, ids)
+        chosen = offsets.logged(starts, ids, input_name=self._tag)
         if self.checkpoint is not None:
-            self.checkpoint.save_initial_offsets(chosen)
+            self.checkpoint.save_initial_offsets(chosen, self.input_name)
         return chosen
 
     def _specific_offsets(self, tps: list[TP], spec: Offsets) -> dict[TP, int]:
@@ -164,6 +179,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         with its earliest offset as its end (nothing to read in this batch), and one whose
         offsets went backwards, or whose topic was recreated, is restarted the same way.
         """
+        self._check_input(start)
         tps, ids_now, earliest, stable = self._look_up()
         starts, ids = offsets.positions(start), offsets.topic_ids(start)
         retired = offsets.retired_ids(start)
@@ -195,7 +211,23 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             end,
             {t: i for t, i in (ids | ids_now).items() if t in read_topics},
             {t: r for t, r in retired.items() if t in read_topics},
+            self._tag,
         )
+
+    def _check_input(self, *logged: dict) -> None:
+        """Spark gives each source the offsets at its place in the query: a query whose
+        inputs changed places would read one input from another's offsets (from the earliest
+        offsets of its own topics, a replay of everything)."""
+        for offset in logged:
+            found = offsets.input_of(offset)
+            if found is not None and found != self.input_name:
+                raise OnceflowError(
+                    f"input {self.input_name!r} was handed the checkpoint's offsets of input "
+                    f"{found!r}: Spark matches a query's inputs to its checkpoint by their place "
+                    "in the query, and they moved (another order in the sql's FROM and JOINs, "
+                    "or an input added or removed). Restore the query as it was, or start it "
+                    "with a new checkpoint location."
+                )
 
     def _look_up(self) -> tuple[list[TP], dict, dict[TP, int], dict[TP, int]]:
         """The partitions, topic ids, earliest and stable offsets to plan with, all of one
@@ -324,6 +356,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         read. A partition missing from `start` joined in this batch with its start as its
         end; an end below its start, or a new topic id in `end`, restarts the partition:
         none of these reads anything now."""
+        self._check_input(start, end)
         starts = offsets.positions(start)
         start_ids, end_ids = offsets.topic_ids(start), offsets.topic_ids(end)
         ranges = []

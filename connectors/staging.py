@@ -29,11 +29,14 @@ from .errors import StagingError
 from .records import staged_schema
 
 
-def stage(checkpoint: CheckpointDir, plan: BatchPlan, task: int, rows: list[dict]) -> None:
-    """Write one task's side records durably and atomically."""
+def stage(
+    checkpoint: CheckpointDir, plan: BatchPlan, source: str, task: int, rows: list[dict]
+) -> None:
+    """Write one task's side records of input `source` durably and atomically (the inputs of
+    a join are read in stages of their own, whose task numbers overlap)."""
     import pyarrow as pa
 
-    path = checkpoint.staging_dir(plan) / f"part-{task:05d}.arrow"
+    path = checkpoint.staging_dir(plan) / f"part-{source}-{task:05d}.arrow"
     table = pa.Table.from_pylist(rows, schema=staged_schema(pa))
     buffer = pa.BufferOutputStream()
     with pa.ipc.new_file(buffer, table.schema) as writer:

@@ -83,12 +83,27 @@ def _cluster_here(broker: LocalKafka) -> bool:
 
 def _validate(args: argparse.Namespace) -> int:
     config = pipeline_config.load(args.pipeline)
-    kind = "windowed" if config.window else "transform" if config.transform else "pass-through"
+    if config.sql is not None:
+        _analyse_sql(config)
+    topics = [t for source in config.sources for t in source.topics]
     print(
-        f"{args.pipeline}: ok ({kind} pipeline {config.app_id!r}, "
-        f"{', '.join(config.source.topics)} -> {config.sink.topic})"
+        f"{args.pipeline}: ok ({config.kind} pipeline {config.app_id!r}, "
+        f"{', '.join(topics)} -> {config.sink.topic})"
     )
     return EXIT_OK
+
+
+def _analyse_sql(config: pipeline_config.PipelineConfig) -> None:
+    """Spark parses and analyses the query over the inputs' views; nothing connects to Kafka
+    and no stream starts. A refusal is a ConfigError of `sql` (exit 2)."""
+    from .formats import encode
+    from .pipeline import sql_result
+    from .spark_session import build_session
+
+    print("analysing the sql query with Spark ...", file=sys.stderr, flush=True)
+    spark = build_session("local[1]", f"onceflow-validate-{config.app_id}", config.spark_conf)
+    result = sql_result(spark, config)
+    encode(result, config.sink.format, lambda schema: 0, key=config.key)  # registers nothing
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -106,8 +121,12 @@ def _verify(args: argparse.Namespace) -> int:
     from .verify import WindowSpec, verify
 
     config = pipeline_config.load(args.pipeline)
-    if config.transform is not None:
-        raise pipeline_config.ConfigError("transform", "verify checks window and pass-through apps")
+    if config.transform is not None or config.sql is not None:
+        raise pipeline_config.ConfigError(
+            "transform" if config.transform else "sql",
+            "verify checks window and pass-through apps; test a transform or sql pipeline's "
+            "results with onceflow.testing (README, 'Testing your own pipelines')",
+        )
     # Window apps: verify recomputes the windows from the input, the checkpoint's batches
     # and watermark, so it can tell records in open windows from lost ones.
     windows = WindowSpec.from_config(config) if config.window is not None else None

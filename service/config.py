@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from onceflow.connectors.checkpoint import DEFAULT_SOURCE
 from onceflow.connectors.errors import EXIT_BAD_CONFIG, OnceflowError
 from onceflow.connectors.registry import RegistrySettings
 
@@ -33,6 +34,13 @@ _UNIT_MS = {
 _AGGREGATION = re.compile(r"^\s*([a-z_]+)\s*\(\s*(\*|[A-Za-z_][A-Za-z0-9_.]*)\s*\)\s*$")
 _REFERENCE = re.compile(r"\$\{([^}]+)\}")
 _APP_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+# An input's name is its view's name in `sql:`: a plain SQL identifier, in lower case as Spark
+# compares view names and environment overrides spell keys.
+_INPUT_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
+# The Kafka record's columns the router carries, and what a sql input's view has besides the
+# record's fields (pipeline.routed_stream adds them).
+SOURCE_META = ("_key", "_value", "_topic", "_partition", "_offset", "_timestamp", "_headers")
+VIEW_COLUMNS = ("event_time", *SOURCE_META)
 # Avro records: schemaless bodies (the reader knows the schema), or the Confluent wire format
 # (a schema id in front of each value, the writer schema in a registry), as Flink names them.
 AVRO_FORMATS = ("avro", "avro-confluent")
@@ -58,7 +66,16 @@ class Aggregation:
 
 
 @dataclass(frozen=True)
+class EventTimeConfig:
+    field: str | None = None  # None: the Kafka record timestamp
+    watermark_delay_ms: int = 0
+
+
+@dataclass(frozen=True)
 class SourceConfig:
+    """One named input. `event_time` is None for an input of `sources:` without one: its
+    records get no watermark, and none of them is late."""
+
     topics: list[str]
     starting_offsets: str = "latest"
     format: str = "json"
@@ -67,12 +84,10 @@ class SourceConfig:
     max_records_per_batch: int = 100_000
     fail_on_data_loss: bool = True
     parallelism: int | None = None  # tasks that read each batch; None: Spark's cores
-
-
-@dataclass(frozen=True)
-class EventTimeConfig:
-    field: str | None = None  # None: the Kafka record timestamp
-    watermark_delay_ms: int = 0
+    name: str = DEFAULT_SOURCE
+    event_time: EventTimeConfig | None = None
+    # Where the fields named in the error messages live: `source`, or `sources.<name>`.
+    path: str = "source"
 
 
 @dataclass(frozen=True)
@@ -109,13 +124,14 @@ class SinkConfig:
 class PipelineConfig:
     app_id: str
     kafka: dict[str, str]
-    source: SourceConfig
+    sources: tuple[SourceConfig, ...]  # one, unless `sql` joins several
     sink: SinkConfig
     checkpoint_location: str
     trigger_interval_ms: int = 1000
-    event_time: EventTimeConfig = field(default_factory=EventTimeConfig)
     window: WindowConfig | None = None
     transform: str | None = None
+    sql: str | None = None  # a Spark SQL query over the inputs, each a view of its name
+    key: str | None = None  # sql: the result column that is the record key (None: no key)
     spark_master: str = "local[*]"
     spark_conf: dict[str, str] = field(default_factory=dict)
     metrics_port: int | None = 9108
@@ -127,12 +143,33 @@ class PipelineConfig:
     def bootstrap_servers(self) -> str:
         return self.kafka["bootstrap.servers"]
 
-    def source_field_names(self) -> list[str]:
-        """Top-level fields of the decoded input record, from the DDL or the Avro schema."""
-        if self.source.format == "json":
-            return ddl_field_names(self.source.schema or "")
-        if self.source.format in AVRO_FORMATS:
-            return [f["name"] for f in load_avro_schema(self, "source.schema_file")["fields"]]
+    @property
+    def source(self) -> SourceConfig:
+        """The input of a pipeline with one (windows, transforms and pass-through have one)."""
+        if len(self.sources) != 1:
+            names = ", ".join(s.name for s in self.sources)
+            raise ConfigError("sources", f"this needs one input, the pipeline has {names}")
+        return self.sources[0]
+
+    @property
+    def event_time(self) -> EventTimeConfig:
+        return self.source.event_time or EventTimeConfig()
+
+    @property
+    def kind(self) -> str:
+        if self.window is not None:
+            return "windowed"
+        if self.transform is not None:
+            return "transform"
+        return "sql" if self.sql is not None else "pass-through"
+
+    def source_field_names(self, source: SourceConfig | None = None) -> list[str]:
+        """Top-level fields of an input's decoded record, from the DDL or the Avro schema."""
+        source = source or self.source
+        if source.format == "json":
+            return ddl_field_names(source.schema or "")
+        if source.format in AVRO_FORMATS:
+            return [f["name"] for f in load_avro_schema(self, source)["fields"]]
         return []
 
 
@@ -209,9 +246,12 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
         "app_id",
         "kafka",
         "source",
+        "sources",
         "event_time",
         "window",
         "transform",
+        "sql",
+        "key",
         "sink",
         "checkpoint",
         "spark",
@@ -224,34 +264,39 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
 
     kafka = _kafka_settings(top.mapping("kafka", required=True))
 
-    source = _source(_Section(top.mapping("source", required=True), "source"))
+    sources = _inputs(top, raw)
     sink = _sink(_Section(top.mapping("sink", required=True), "sink"))
     registry = None
     if "registry" in raw:
         registry = _registry(_Section(top.mapping("registry"), "registry"))
-    for section, fmt in (("source", source.format), ("sink", sink.format)):
+    formats = [(f"{s.path}.format", s.format) for s in sources] + [("sink.format", sink.format)]
+    for path, fmt in formats:
         if fmt == "avro-confluent" and registry is None:
             raise ConfigError(
                 "registry.url",
-                f"is required for {section}.format avro-confluent: the schema registry's URL, "
+                f"is required for {path} avro-confluent: the schema registry's URL, "
                 "e.g. http://127.0.0.1:8081/apis/ccompat/v7",
             )
 
-    event = _Section(top.mapping("event_time"), "event_time")
-    event.only("field", "watermark_delay")
-    event_time = EventTimeConfig(
-        field=event.string("field"),
-        watermark_delay_ms=event.duration("watermark_delay", default="0s"),
-    )
-
-    if "window" in raw and "transform" in raw:
-        raise ConfigError("transform", "set either window or transform, not both")
+    processing = [k for k in ("window", "transform", "sql") if k in raw]
+    if len(processing) > 1:
+        raise ConfigError(processing[0], f"set one of window, transform and sql, not {processing}")
+    if len(sources) > 1 and "sql" not in raw:
+        raise ConfigError(
+            "sources", "several inputs need sql: a query that joins or unions them by name"
+        )
     window = _window(_Section(top.mapping("window"), "window")) if "window" in raw else None
     transform = top.string("transform")
     if transform is not None and not re.match(r"^[\w.]+:\w+$", transform):
         raise ConfigError(
             "transform", f"must look like 'package.module:function', got {transform!r}"
         )
+    sql = top.string("sql")
+    if "sql" in raw and not (sql or "").strip():
+        raise ConfigError("sql", "must be a Spark SQL query, e.g. SELECT * FROM input")
+    key = top.string("key")
+    if key is not None and sql is None:
+        raise ConfigError("key", "applies to sql pipelines (windows key by window.key)")
 
     checkpoint = _Section(top.mapping("checkpoint", required=True), "checkpoint")
     checkpoint.only("location", "interval")
@@ -264,15 +309,16 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
     config = PipelineConfig(
         app_id=app_id,
         kafka=kafka,
-        source=source,
+        sources=sources,
         sink=sink,
         checkpoint_location=str((base_dir / location).resolve())
         if "://" not in location
         else location,
         trigger_interval_ms=checkpoint.duration("interval", default="1s"),
-        event_time=event_time,
         window=window,
         transform=transform,
+        sql=sql,
+        key=key,
         spark_master=spark.string("master") or "local[*]",
         spark_conf={str(k): str(v) for k, v in spark.mapping("conf").items()},
         metrics_port=metrics.integer("port", default=9108, minimum=0),
@@ -336,7 +382,48 @@ def _librdkafka_name(key: str) -> str:
     return key if key == "log_level" else key.replace("_", ".")
 
 
-def _source(s: _Section) -> SourceConfig:
+def _inputs(top: _Section, raw: dict) -> tuple[SourceConfig, ...]:
+    """`source:` and the top-level `event_time:` (one input, named `input`), or `sources:`,
+    named inputs with an `event_time:` each."""
+    if "source" in raw and "sources" in raw:
+        raise ConfigError("sources", "set either source (one input) or sources, not both")
+    if "sources" not in raw:
+        given = raw.get("event_time") is not None  # as in a `sources:` block
+        event = _Section(top.mapping("event_time"), "event_time") if given else None
+        source = _source(_Section(top.mapping("source", required=True), "source"), event)
+        return (source,)
+    if "event_time" in raw:
+        raise ConfigError("event_time", "with sources, each input has its own event_time")
+    named = top.mapping("sources", required=True)
+    if not named:
+        raise ConfigError("sources", "needs at least one input, e.g. clicks: {topics: [clicks]}")
+    sources: list[SourceConfig] = []
+    for name, block in named.items():
+        path = f"sources.{name}"
+        if not isinstance(name, str) or not _INPUT_NAME.match(name):
+            raise ConfigError(
+                path,
+                "an input's name is its view in sql: lower-case letters, digits and '_' (a "
+                "digit not first), e.g. clicks or user_events",
+            )
+        section = _Section(block, path)
+        event = _Section(section.mapping("event_time"), f"{path}.event_time")
+        with_event_time = section.value("event_time") is not None
+        source = _source(section, event if with_event_time else None, name)
+        for other in sources:
+            shared = sorted(set(other.topics) & set(source.topics))
+            if shared:
+                raise ConfigError(
+                    f"{path}.topics",
+                    f"{shared} already read by input {other.name!r}: each topic is read by one "
+                    "input (its dead letters and lag are counted per position); refer to that "
+                    "input in the query instead",
+                )
+        sources.append(source)
+    return tuple(sources)
+
+
+def _source(s: _Section, event: _Section | None, name: str = DEFAULT_SOURCE) -> SourceConfig:
     s.only(
         "topics",
         "starting_offsets",
@@ -346,24 +433,25 @@ def _source(s: _Section) -> SourceConfig:
         "max_records_per_batch",
         "fail_on_data_loss",
         "parallelism",
+        *(["event_time"] if s.path != "source" else []),
     )
     topics = s.value("topics", required=True)
     if isinstance(topics, str):
         topics = [topics]
     if not isinstance(topics, list) or not topics or not all(isinstance(t, str) for t in topics):
-        raise ConfigError("source.topics", "must be a non-empty list of topic names")
+        raise ConfigError(f"{s.path}.topics", "must be a non-empty list of topic names")
     fmt = s.choice("format", ("json", *AVRO_FORMATS, "raw"), default="json")
     schema = s.string("schema")
     if fmt == "json" and not schema:
         raise ConfigError(
-            "source.schema",
+            f"{s.path}.schema",
             "is required for format json: a Spark DDL string such as "
             '"user STRING, bytes LONG, ts LONG"',
         )
     schema_file = s.string("schema_file")
     if fmt in AVRO_FORMATS and not schema_file:
         raise ConfigError(
-            "source.schema_file",
+            f"{s.path}.schema_file",
             f"is required for format {fmt}: a path to an .avsc"
             + (" (the reader schema writer schemas resolve to)" if fmt != "avro" else ""),
         )
@@ -376,6 +464,17 @@ def _source(s: _Section) -> SourceConfig:
         max_records_per_batch=s.integer("max_records_per_batch", default=100_000, minimum=1),
         fail_on_data_loss=s.boolean("fail_on_data_loss", default=True),
         parallelism=s.integer("parallelism", default=None, minimum=1),
+        name=name,
+        event_time=_event_time(event) if event is not None else None,
+        path=s.path,
+    )
+
+
+def _event_time(s: _Section) -> EventTimeConfig:
+    s.only("field", "watermark_delay")
+    return EventTimeConfig(
+        field=s.string("field"),
+        watermark_delay_ms=s.duration("watermark_delay", default="0s"),
     )
 
 
@@ -481,14 +580,28 @@ def _window(s: _Section) -> WindowConfig:
 
 
 def _check_fields(config: PipelineConfig) -> None:
-    """Fields named by event_time and window must exist in the input record."""
+    """Fields named by event_time and window must exist in the input records."""
+    if config.sql is not None:  # the query's own fields are checked by Spark (validate)
+        for source in config.sources:
+            _check_event_time_field(config, source)
+            taken = sorted(set(config.source_field_names(source)) & set(VIEW_COLUMNS))
+            if taken:
+                raise ConfigError(
+                    f"{source.path}.schema",
+                    f"field(s) {taken} clash with the columns onceflow adds to the input's "
+                    f"view ({', '.join(VIEW_COLUMNS)}); rename them in the schema",
+                )
+        return
+    source = config.source
     names = config.source_field_names()
     if not names:
         if config.window is not None or config.event_time.field:
-            raise ConfigError("source.format", "raw input has no fields; windows need json or avro")
+            raise ConfigError(
+                f"{source.path}.format", "raw input has no fields; windows need json or avro"
+            )
         return
     known = set(names)
-    wanted = [("event_time.field", config.event_time.field)]
+    wanted = [(_event_time_path(source), config.event_time.field)]
     if config.window is not None:
         wanted += [("window.key", k) for k in config.window.key]
         wanted += [
@@ -501,6 +614,23 @@ def _check_fields(config: PipelineConfig) -> None:
             raise ConfigError(
                 path, f"field {name!r} is not in the input schema {names}{_hint(name, names)}"
             )
+
+
+def _check_event_time_field(config: PipelineConfig, source: SourceConfig) -> None:
+    field = source.event_time.field if source.event_time else None
+    if field is None:
+        return
+    names = config.source_field_names(source)
+    if field not in names:
+        raise ConfigError(
+            _event_time_path(source),
+            f"field {field!r} is not in the input schema {names}{_hint(field, names)}",
+        )
+
+
+def _event_time_path(source: SourceConfig) -> str:
+    """One `source:` has its event time at the top level, each of `sources:` in its block."""
+    return "event_time.field" if source.path == "source" else f"{source.path}.event_time.field"
 
 
 def ddl_field_names(ddl: str) -> list[str]:
@@ -521,8 +651,10 @@ def ddl_field_names(ddl: str) -> list[str]:
     return names
 
 
-def load_avro_schema(config: PipelineConfig, path_name: str) -> dict:
-    file = config.base_dir / (config.source.schema_file or "")
+def load_avro_schema(config: PipelineConfig, source: SourceConfig) -> dict:
+    """The reader schema of an Avro input (its `schema_file`)."""
+    path_name = f"{source.path}.schema_file"
+    file = config.base_dir / (source.schema_file or "")
     try:
         schema = json.loads(file.read_text())
     except OSError as exc:

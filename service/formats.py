@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable, Iterator
 from functools import cache, partial
 
-from pyspark.sql import DataFrame
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import DataType, StructType
 
@@ -220,22 +220,38 @@ def avro_arrow_types(schema: dict) -> dict:
 # -- encoding results ----------------------------------------------------------------------
 
 
-def encode(result: DataFrame, fmt: str, registered: Callable[[dict], int] | None = None):
-    """Key and value columns of the results. avro-confluent values carry the id that
-    `registered` gives the results' schema (it registers it: a refusal stops the run here,
-    before the query starts and anything is produced)."""
-    key_type = result.schema["key"].dataType
-    key = F.to_json("key") if isinstance(key_type, StructType) else F.col("key").cast("string")
+def encode(
+    result: DataFrame,
+    fmt: str,
+    registered: Callable[[dict], int] | None = None,
+    key: str | None = "key",
+):
+    """Key and value columns of the results: the value holds every column, the record key is
+    column `key` (None: no key). avro-confluent values carry the id that `registered` gives
+    the results' schema (it registers it: a refusal stops the run here, before the query
+    starts and anything is produced)."""
+    if key is None:
+        key = F.lit(None).cast("string")
+    elif isinstance(result.schema[key].dataType, StructType):
+        key = F.to_json(_column(key))
+    else:
+        key = _column(key).cast("string")
+    columns = [_column(c) for c in result.columns]
     if fmt == "json":
-        return result.select(key.alias("key"), F.to_json(F.struct(*result.columns)).alias("value"))
+        return result.select(key.alias("key"), F.to_json(F.struct(*columns)).alias("value"))
     schema = avro_schema(result.schema)
     schema_id = None
     if fmt == "avro-confluent":
         assert registered is not None
         schema_id = registered(schema)
-    keyed = result.select(key.alias("_record_key"), F.struct(*result.columns).alias("_row"))
+    keyed = result.select(key.alias("_record_key"), F.struct(*columns).alias("_row"))
     out = StructType.fromDDL("key STRING, value BINARY")
     return keyed.mapInArrow(partial(_encode_avro, json.dumps(schema), schema_id), out)
+
+
+def _column(name: str) -> Column:
+    """A result column by its name as written: a SQL result's may hold a dot (`window.start`)."""
+    return F.col("`" + name.replace("`", "``") + "`")
 
 
 def avro_schema(schema: StructType, name: str = "WindowResult") -> dict:

@@ -190,7 +190,7 @@ class PipelineListener(StreamingQueryListener):
                 "input_records": progress.numInputRows,
                 "duration_ms": progress.batchDuration,
                 "phases_ms": dict(durations),
-                "offsets": {s.description: s.endOffset for s in progress.sources},
+                "offsets": {_input_name(s): s.endOffset for s in progress.sources},
             },
         )
         m.epoch_seconds.labels(app).observe(progress.batchDuration / 1000)
@@ -251,6 +251,16 @@ class PipelineListener(StreamingQueryListener):
             if idle > stall_timeout_s:
                 return False, f"no progress for {idle:.0f}s"
             return True, "ok"
+
+
+def _input_name(source) -> str:
+    """A source of the progress by its input's name (named inputs write it into their
+    offsets), else by Spark's description, as a query's only input always was."""
+    try:
+        name = offsets.input_of(json.loads(source.endOffset or "{}"))
+    except (TypeError, ValueError, AttributeError):
+        name = None
+    return name or source.description
 
 
 def _positions(reported: str | None) -> dict[tuple[str, int], int]:

@@ -1,16 +1,20 @@
 """From a pipeline file to a running Spark streaming query: source -> route -> process -> sink.
 
 The processing itself is Spark's: `withWatermark`, `window` / `session_window` and the
-RocksDB state store, or a user's `transform` function (which may use transformWithState).
+RocksDB state store, a user's `transform` function (which may use transformWithState), or a
+Spark SQL query over the named inputs (joins included).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+from collections import Counter
 from functools import partial
 
+from py4j.protocol import Py4JError, Py4JJavaError
 from pyspark import Accumulator
+from pyspark.errors import AnalysisException, ParseException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
@@ -20,9 +24,16 @@ from onceflow.connectors.registry import client_for
 from onceflow.connectors.sink import ForeachBatchSink
 
 from . import formats
-from .config import AVRO_FORMATS, ConfigError, PipelineConfig, load_avro_schema
+from .config import (
+    AVRO_FORMATS,
+    ConfigError,
+    EventTimeConfig,
+    PipelineConfig,
+    SourceConfig,
+    load_avro_schema,
+)
 from .formats import avro_field_types
-from .routing import CORRUPT, HEADER_SOURCE, SOURCE_META, RoutePlan, route
+from .routing import CORRUPT, EVENT_TIME, HEADER_SOURCE, SOURCE_META, RoutePlan, route
 
 FORMAT = "onceflow-kafka"
 
@@ -32,11 +43,10 @@ SOURCE_WORKER_LATE = "Python worker failed to connect back"
 START_ATTEMPTS = 3
 
 
-def source_stream(spark: SparkSession, config: PipelineConfig) -> DataFrame:
+def source_stream(spark: SparkSession, config: PipelineConfig, source: SourceConfig) -> DataFrame:
     reader = spark.readStream.format(FORMAT)
     for key, value in config.kafka.items():
         reader = reader.option(f"kafka.{key}", value)
-    source = config.source
     reader = (
         reader.option("subscribe", ",".join(source.topics))
         .option("startingOffsets", source.starting_offsets)
@@ -44,19 +54,24 @@ def source_stream(spark: SparkSession, config: PipelineConfig) -> DataFrame:
         .option("failOnDataLoss", str(source.fail_on_data_loss).lower())
         .option("group.id", f"onceflow-{config.app_id}")
         .option("checkpointLocation", config.checkpoint_location)
+        .option("inputName", source.name)
     )
     parallelism = source.parallelism or spark.sparkContext.defaultParallelism
     return reader.option("parallelism", str(parallelism)).load()
 
 
 def routed_stream(
-    spark: SparkSession, config: PipelineConfig, input_bytes: Accumulator | None = None
+    spark: SparkSession,
+    config: PipelineConfig,
+    source: SourceConfig,
+    input_bytes: Accumulator | None = None,
 ) -> DataFrame:
-    """Decoded, on-time input records; dead letters and late records are staged for the sink.
+    """Decoded, on-time records of one input; dead letters and late records are staged for the
+    sink.
 
     `input_bytes` sums the key and value bytes read, for the metrics endpoint.
     """
-    raw = source_stream(spark, config)
+    raw = source_stream(spark, config, source)
     # A record without headers has null headers (as in Spark's Kafka source). Handing a list
     # column of nulls to Python costs Spark's Arrow writer time in ListVector.setValueCount
     # that grows with the nulls in the batch: 1.9 s per 200k rows against 0.2 s for empty
@@ -74,7 +89,6 @@ def routed_stream(
     }
     carried = tuple(m for m in SOURCE_META if config.window is None or m != "_headers")
     staged = raw.select(*[columns[m].alias(m) for m in carried])
-    source = config.source
     if source.format == "json":
         ddl = f"{source.schema}, {CORRUPT} STRING"
         staged = staged.withColumn(
@@ -87,24 +101,24 @@ def routed_stream(
         )
         fields = [f for f in staged.schema["_data"].dataType.fields if f.name != CORRUPT]
     elif source.format in AVRO_FORMATS:
-        if source.format == "avro-confluent":  # a wrong URL fails here, not record by record
-            assert config.registry is not None
-            client_for(config.registry).check()
-        avro_schema = load_avro_schema(config, "source.schema_file")
+        avro_schema = load_avro_schema(config, source)
         types = avro_field_types(avro_schema)
         fields = list(StructType.fromDDL(", ".join(f"`{n}` {t}" for n, t in types.items())).fields)
     else:
         fields = []
     window = config.window
+    event_time = source.event_time or EventTimeConfig()
+    late_rule = window.type if window else EVENT_TIME if config.sql and source.event_time else None
     plan = RoutePlan(
         checkpoint=config.checkpoint_location,
+        source=source.name,
         format=source.format,
         fields=tuple(f.name for f in fields),
         required=tuple(window.key) if window else (),
-        event_time_field=config.event_time.field,
+        event_time_field=event_time.field,
         dead_letter_topic=config.sink.dead_letter_topic,
         late_topic=config.sink.late_topic,
-        window_type=window.type if window else None,
+        window_type=late_rule,
         window_size_ms=window.size_ms if window else 0,
         window_slide_ms=(window.slide_ms or window.size_ms) if window else 0,
         session_gap_ms=(window.gap_ms or 0) if window else 0,
@@ -179,19 +193,138 @@ def passed_through(routed: DataFrame) -> DataFrame:
     )
 
 
+def sql_result(
+    spark: SparkSession, config: PipelineConfig, input_bytes: Accumulator | None = None
+) -> DataFrame:
+    """The `sql:` query over a view of each input by name, analysed by Spark.
+
+    A view holds the input's decoded fields, `event_time` and the Kafka record's `_key`,
+    `_value`, `_topic`, `_partition`, `_offset`, `_timestamp` and `_headers`; an input with
+    an event time has a watermark, which Spark's stream-stream joins and windows need.
+    Spark's refusal of the query (its message names the line and position) is a ConfigError
+    of `sql`.
+    """
+    assert config.sql is not None
+    for source in config.sources:
+        view = routed_stream(spark, config, source, input_bytes)
+        if source.event_time is not None:
+            delay = f"{source.event_time.watermark_delay_ms} milliseconds"
+            view = view.withWatermark("event_time", delay)
+        view.createOrReplaceTempView(source.name)
+    try:
+        result = spark.sql(config.sql)
+        _check_streaming(result)
+    except (AnalysisException, ParseException) as exc:
+        raise ConfigError("sql", f"Spark refuses the query: {str(exc).strip()}") from None
+    if not result.isStreaming:
+        raise ConfigError("sql", "reads none of the inputs: a pipeline's query reads its streams")
+    _check_each_input_read_once(config, result)
+    columns = result.columns
+    repeated = sorted({c for c in columns if columns.count(c) > 1})
+    if repeated:
+        raise ConfigError(
+            "sql", f"the result has several columns named {repeated}; give each its own (AS)"
+        )
+    if config.key is not None and config.key not in columns:
+        raise ConfigError("key", f"{config.key!r} is not a column of the query's result {columns}")
+    if config.sink.format in AVRO_FORMATS:
+        try:
+            formats.avro_schema(result.schema)
+        except ValueError as exc:
+            raise ConfigError("sql", f"{exc}; cast it in the query (sink.format is Avro)") from None
+    return result
+
+
+def _check_streaming(result: DataFrame) -> None:
+    """What Spark checks only when a streaming query starts (append mode, watermarks on the
+    sides of an outer join, aggregations it cannot emit once), checked now: `validate` runs
+    this without starting anything. The checker is Spark's internal API; without it the
+    query start does the same check."""
+    jvm = result.sparkSession._jvm
+    try:
+        checker = jvm.org.apache.spark.sql.catalyst.analysis.UnsupportedOperationChecker
+        append = jvm.org.apache.spark.sql.streaming.OutputMode.Append()
+        checker.checkForStreaming(result._jdf.queryExecution().analyzed(), append)
+    except Py4JJavaError:
+        raise
+    except Py4JError:  # a Spark without this internal API (its refusals are AnalysisException)
+        return
+
+
+def _check_each_input_read_once(config: PipelineConfig, result: DataFrame) -> None:
+    """Every input is read by exactly one scan of the query. A view named twice (a self-join)
+    is two scans that plan their batches apart, so a record could be routed, and its dead
+    letter published, in two epochs; an input never named would hold its offsets forever."""
+    scans = _input_scans(result)
+    if scans is None:
+        return
+    read = Counter(scans)
+    twice = sorted(name for name, n in read.items() if n > 1)
+    if twice:
+        raise ConfigError(
+            "sql",
+            f"reads input(s) {twice} more than once; a self-join is not supported yet (each "
+            "reference would be a scan of its own, with dead letters published once per scan)",
+        )
+    for source in config.sources:
+        if not read[source.name]:
+            raise ConfigError(
+                f"sources.{source.name}", "is not read by the sql query; remove it or use it"
+            )
+
+
+def _input_scans(result: DataFrame) -> list[str] | None:
+    """The input (inputName) of every streaming scan in the query's analysed plan; None where
+    Spark's internal plan classes are not what this reads (the check is then skipped)."""
+    try:
+        leaves = result._jdf.queryExecution().analyzed().collectLeaves()
+        scans = []
+        for i in range(leaves.size()):
+            leaf = leaves.apply(i)
+            if leaf.getClass().getSimpleName() == "StreamingRelationV2":
+                scans.append(leaf.extraOptions().get("inputName"))
+    except Py4JJavaError:
+        raise
+    except Py4JError:
+        return None
+    return scans or None
+
+
+def queried(
+    spark: SparkSession, config: PipelineConfig, input_bytes: Accumulator | None = None
+) -> DataFrame:
+    """The `sql:` query's results as key/value records (key: the column `key:` names)."""
+    result = sql_result(spark, config, input_bytes)
+    return formats.encode(
+        result, config.sink.format, partial(_register_results, config), key=config.key
+    )
+
+
+def output_of(
+    spark: SparkSession, config: PipelineConfig, input_bytes: Accumulator | None = None
+) -> tuple[DataFrame, str]:
+    """The query's output (key, value and maybe headers, topic, partition) and output mode."""
+    if config.sql is not None:
+        return queried(spark, config, input_bytes), "append"
+    routed = routed_stream(spark, config, config.source, input_bytes)
+    if config.window is not None:
+        return windowed(routed, config), config.window.output_mode
+    if config.transform is not None:
+        return transformed(routed, config), "append"
+    return passed_through(routed), "append"
+
+
 def start(
     spark: SparkSession,
     config: PipelineConfig,
     available_now: bool = False,
     input_bytes: Accumulator | None = None,
 ) -> StreamingQuery:
-    routed = routed_stream(spark, config, input_bytes)
-    if config.window is not None:
-        output, mode = windowed(routed, config), config.window.output_mode
-    elif config.transform is not None:
-        output, mode = transformed(routed, config), "append"
-    else:
-        output, mode = passed_through(routed), "append"
+    for source in config.sources:  # a wrong registry URL fails here, not record by record
+        if source.format == "avro-confluent":
+            assert config.registry is not None
+            client_for(config.registry).check()
+    output, mode = output_of(spark, config, input_bytes)
     options = {f"kafka.{key}": value for key, value in config.kafka.items()}
     options |= {
         "topic": config.sink.topic,

@@ -8,6 +8,13 @@ A record is late when every window it belongs to ends at or before the watermark
 epoch: the `batchWatermarkMs` Spark wrote ahead in the offset log for this batch, the same
 watermark Spark closes windows with. Late records are routed out before the aggregation, so
 Spark never silently drops one, and a window's result is final once it is published.
+
+An input of a `sql:` pipeline with an event time knows no windows: its record is late when
+its event time is at or before the watermark Spark drops late rows with in this epoch, the
+previous epoch's `batchWatermarkMs` (the query's, the lowest of its inputs'). That is exactly
+what a stream-stream join drops; a window of the query drops only some of those (the ones
+whose windows all ended), so a record behind the watermark is late even if its window is
+still open.
 """
 
 from __future__ import annotations
@@ -21,14 +28,14 @@ from onceflow.connectors.records import LATE_REASON, side_record
 from onceflow.connectors.registry import RegistrySettings
 
 from . import formats
-from .config import AVRO_FORMATS
+from .config import AVRO_FORMATS, SOURCE_META
 
-SOURCE_META = ("_key", "_value", "_topic", "_partition", "_offset", "_timestamp", "_headers")
 CORRUPT = "_corrupt_record"
 
 HEADER_ERROR = "onceflow.error"
 HEADER_SOURCE = "onceflow.source"
 HEADER_LATE = "onceflow.late"
+EVENT_TIME = "event-time"  # RoutePlan.window_type of a sql input with an event time
 
 
 @dataclass(frozen=True)
@@ -36,13 +43,15 @@ class RoutePlan:
     """What the router needs to know; pickled to executors with the query."""
 
     checkpoint: str
+    source: str  # the input's name
     format: str  # json | avro | avro-confluent | raw
     fields: tuple[str, ...]  # decoded top-level fields, in output order
     required: tuple[str, ...]  # fields that must not be null (window keys)
     event_time_field: str | None  # None: the Kafka timestamp
     dead_letter_topic: str | None
     late_topic: str | None
-    window_type: str | None = None  # tumbling | sliding | session, None: nothing is late
+    # tumbling | sliding | session; "event-time": late at the watermark; None: nothing is late
+    window_type: str | None = None
     window_size_ms: int = 0
     window_slide_ms: int = 0
     session_gap_ms: int = 0
@@ -66,8 +75,11 @@ def route(plan: RoutePlan, input_bytes, batches: Iterator) -> Iterator:
     context = TaskContext.get()
     batch_id = int(context.getLocalProperty("streaming.sql.batchId"))
     # Read per task, never cached: a checkpoint restored at the same path plans batch ids anew.
-    batch = CheckpointDir(plan.checkpoint).batch_plan(batch_id)
+    checkpoint = CheckpointDir(plan.checkpoint)
+    batch = checkpoint.batch_plan(batch_id)
     watermark_ms = batch.watermark_ms
+    if plan.window_type == EVENT_TIME:  # Spark's watermark for late rows in this epoch
+        watermark_ms = checkpoint.batch_plan(batch_id - 1).watermark_ms if batch_id else 0
     side: list[dict] = []
     for records in batches:
         if input_bytes is not None:
@@ -86,7 +98,7 @@ def route(plan: RoutePlan, input_bytes, batches: Iterator) -> Iterator:
         if keep.any():
             yield _output_batch(plan, records, fields, event_ms, keep, pa)
     if side:
-        staging.stage(CheckpointDir(plan.checkpoint), batch, context.partitionId(), side)
+        staging.stage(checkpoint, batch, plan.source, context.partitionId(), side)
 
 
 # -- decoding ------------------------------------------------------------------------------
@@ -163,6 +175,8 @@ def _late(plan: RoutePlan, event_ms, watermark_ms: int):
         last_end = np.floor(t / plan.window_slide_ms) * plan.window_slide_ms + plan.window_size_ms
     elif plan.window_type == "session":
         last_end = t + plan.session_gap_ms
+    elif plan.window_type == EVENT_TIME:
+        last_end = t
     else:
         return np.zeros(len(t), dtype=bool)
     return last_end <= watermark_ms

@@ -26,7 +26,7 @@ import os
 import socket
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,8 @@ KAFKA_CONTAINER_ENV = {
 # An input record: a value (bytes, text, or a dict encoded in the source's format), a
 # (key, value) pair, or (key, value, partition).
 InputRecord = bytes | str | dict | tuple
+# The records of a pipeline's one input, or of each of its named inputs (`sources:`).
+InputRecords = Iterable[InputRecord] | Mapping[str, Iterable[InputRecord]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +150,11 @@ def onceflow_registry(onceflow_kafka: str) -> Iterator[str]:
 @pytest.fixture
 def onceflow_run(onceflow_kafka: str, tmp_path: Path, request) -> Callable[..., Published]:
     """`onceflow_run(pipeline, records, partitions=1)`: run the pipeline file (or a dict of
-    its settings) on `records` and return what it published. A pipeline that reads or
-    writes avro-confluent gets the session's registry."""
+    its settings) on `records` (a list, or a mapping of input name to list for a pipeline
+    with `sources:`) and return what it published. A pipeline that reads or writes
+    avro-confluent gets the session's registry."""
 
-    def run(pipeline: str | Path | dict, records: Iterable[InputRecord], partitions: int = 1):
+    def run(pipeline: str | Path | dict, records: InputRecords, partitions: int = 1):
         registry = None
         if "avro-confluent" in json.dumps(_raw(pipeline)):
             registry = request.getfixturevalue("onceflow_registry")
@@ -173,7 +176,7 @@ def onceflow_run(onceflow_kafka: str, tmp_path: Path, request) -> Callable[..., 
 
 def run_pipeline(
     pipeline: str | Path | dict,
-    records: Iterable[InputRecord],
+    records: InputRecords,
     *,
     bootstrap: str,
     workdir: Path,
@@ -194,10 +197,13 @@ def run_pipeline(
     raw = _raw(pipeline)
     base_dir = Path(pipeline).resolve().parent if not isinstance(pipeline, dict) else Path.cwd()
     suffix = uuid.uuid4().hex[:8]
-    source, sink = raw.setdefault("source", {}), raw.setdefault("sink", {})
-    topics = source.get("topics")
-    source["topics"] = [f"{t}-{suffix}" for t in ([topics] if isinstance(topics, str) else topics)]
-    source["starting_offsets"] = "earliest"
+    sink = raw.setdefault("sink", {})
+    blocks = raw["sources"].values() if "sources" in raw else [raw.setdefault("source", {})]
+    for source in blocks:
+        topics = source.get("topics")
+        topics = [topics] if isinstance(topics, str) else topics
+        source["topics"] = [f"{t}-{suffix}" for t in topics]
+        source["starting_offsets"] = "earliest"
     for name in ("topic", "dead_letter_topic", "late_topic"):
         if sink.get(name):
             sink[name] = f"{sink[name]}-{suffix}"
@@ -209,13 +215,26 @@ def run_pipeline(
     if registry_url:
         raw["registry"] = {"url": registry_url}
     config = parse(resolve_references(raw, os.environ), base_dir=base_dir)  # ${NAME}s left
-    for topic in [*config.source.topics, sink["topic"]]:
+    inputs = [t for source in config.sources for t in source.topics]
+    for topic in {*inputs, sink["topic"]}:
         create_topic(bootstrap, topic, partitions)
     for name in ("dead_letter_topic", "late_topic"):
         if sink.get(name):
             create_topic(bootstrap, sink[name], 1)
-    encode = _input_encoder(config)
-    _produce(bootstrap, config.source.topics[0], records, encode, partitions)
+    sources = {source.name: source for source in config.sources}
+    if not isinstance(records, Mapping) and len(sources) > 1:
+        raise ValueError(
+            f"the pipeline has inputs {sorted(sources)}: pass the records as a mapping of "
+            "input name to records, e.g. {'clicks': [...], 'users': [...]}"
+        )
+    by_input = records if isinstance(records, Mapping) else {config.source.name: records}
+    unknown = sorted(set(by_input) - set(sources))
+    if unknown:
+        raise ValueError(f"records for {unknown}; the pipeline's inputs are {sorted(sources)}")
+    for name, given in by_input.items():
+        source = sources[name]
+        encode = _input_encoder(config, source)
+        _produce(bootstrap, source.topics[0], given, encode, partitions)
     run(config, available_now=True)
     return _published(config, bootstrap)
 
@@ -226,9 +245,9 @@ def _raw(pipeline: str | Path | dict) -> dict:
     return yaml.safe_load(Path(pipeline).read_text())
 
 
-def _input_encoder(config) -> Callable[[Any], bytes | None]:
-    """How a dict value becomes the bytes the source reads, in the source's format."""
-    fmt = config.source.format
+def _input_encoder(config, source) -> Callable[[Any], bytes | None]:
+    """How a dict value becomes the bytes the input `source` reads, in its format."""
+    fmt = source.format
     if fmt == "json" or fmt == "raw":
         return lambda record: json.dumps(record).encode()
     from fastavro import parse_schema, schemaless_writer
@@ -236,11 +255,11 @@ def _input_encoder(config) -> Callable[[Any], bytes | None]:
     from onceflow.config import load_avro_schema
     from onceflow.connectors import registry
 
-    schema = load_avro_schema(config, "source.schema_file")
+    schema = load_avro_schema(config, source)
     parsed = parse_schema(schema)
     schema_id = None
     if fmt == "avro-confluent":
-        subject = f"{config.source.topics[0]}-value"
+        subject = f"{source.topics[0]}-value"
         schema_id = registry.client_for(config.registry).register(subject, schema)
 
     def encode(record: dict) -> bytes:

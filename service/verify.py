@@ -201,7 +201,7 @@ class WindowSpec:
             )
         avro = None
         if config.source.format in AVRO_FORMATS:
-            avro = load_avro_schema(config, "source.schema_file")
+            avro = load_avro_schema(config, config.source)
         return cls(
             type=window.type,
             key=tuple(window.key),

@@ -20,3 +20,33 @@ def test_a_checkpoint_on_a_distributed_file_system_keeps_sparks_default_manager(
     """On HDFS a FileContext rename is atomic; on object stores Spark picks its own."""
     for location in ("hdfs://namenode/checkpoints/app", "s3a://bucket/checkpoints/app"):
         assert CheckpointDir(location).spark_conf() == {}, location
+
+
+def test_each_input_keeps_its_own_initial_offsets(tmp_path):
+    """Two inputs of one query share the checkpoint: the second must never start from the
+    first one's offsets (another topic's), and a single input keeps the file it always had."""
+    checkpoint = CheckpointDir(tmp_path)
+    checkpoint.save_initial_offsets({"persons": {"0": 5}}, "persons")
+    assert checkpoint.initial_offsets("auctions") is None
+    checkpoint.save_initial_offsets({"auctions": {"0": 7}}, "auctions")
+    assert checkpoint.initial_offsets("persons") == {"persons": {"0": 5}}
+    assert checkpoint.initial_offsets("auctions") == {"auctions": {"0": 7}}
+    checkpoint.save_initial_offsets({"clicks": {"0": 1}})
+    assert (tmp_path / "onceflow-initial-offsets.json").exists()
+    assert checkpoint.initial_offsets("input") == {"clicks": {"0": 1}}
+
+
+def test_two_inputs_stage_their_side_records_apart(tmp_path):
+    """The inputs of a join are read in stages of their own, whose task numbers overlap:
+    task 0 of each stages its dead letters, and both are published."""
+    from onceflow.connectors import staging
+    from onceflow.connectors.checkpoint import BatchPlan
+    from onceflow.connectors.records import side_record
+
+    checkpoint = CheckpointDir(tmp_path)
+    plan = BatchPlan(0, [{}, {}], 0, "f" * 16)
+    for source, topic in (("persons", "p"), ("auctions", "a")):
+        record = side_record("dlq", None, b"bad", [], f"{topic}/0/7", "not valid JSON")
+        staging.stage(checkpoint, plan, source, 0, [record])
+    tables = staging.staged_tables(checkpoint, plan)
+    assert sorted(t.column("source").to_pylist()[0] for t in tables) == ["a/0/7", "p/0/7"]

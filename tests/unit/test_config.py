@@ -1,5 +1,7 @@
 """The pipeline file's validation: every error names its field."""
 
+import copy
+
 import pytest
 import yaml
 
@@ -190,3 +192,94 @@ def test_a_socket_timeout_within_the_transaction_timeout_is_accepted():
     assert raised.kafka["socket.timeout.ms"] == "90000"
     assert parse(with_(kafka={**kafka, "socket_timeout_ms": "30s"}))  # librdkafka reads 30
     assert parse(with_(kafka=kafka, sink={"guarantee": "at_least_once"}))
+
+
+# -- named inputs and sql ----------------------------------------------------------------------
+
+JOIN = {
+    "app_id": "join",
+    "kafka": {"bootstrap_servers": "b:9092"},
+    "sources": {
+        "persons": {
+            "topics": ["persons"],
+            "schema": "id LONG, dateTime LONG",
+            "event_time": {"field": "dateTime", "watermark_delay": "5s"},
+        },
+        "auctions": {"topics": "auctions", "schema": "id LONG, seller LONG"},
+    },
+    "sql": "SELECT * FROM persons JOIN auctions ON id = seller",
+    "key": "seller",
+    "sink": {"topic": "out"},
+    "checkpoint": {"location": "/ck"},
+}
+
+
+def join_with(**changes):
+    raw = copy.deepcopy(JOIN)
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key)
+        else:
+            raw[key] = value
+    return raw
+
+
+def test_named_inputs_keep_their_own_event_time_and_a_single_source_is_named_input():
+    config = parse(join_with())
+    persons, auctions = config.sources
+    assert (persons.name, persons.event_time.field, persons.event_time.watermark_delay_ms) == (
+        "persons",
+        "dateTime",
+        5_000,
+    )
+    assert (auctions.name, auctions.topics, auctions.event_time) == ("auctions", ["auctions"], None)
+    assert (config.kind, config.key) == ("sql", "seller")
+    single = parse(BASE)
+    assert [s.name for s in single.sources] == ["input"]
+    assert single.event_time.field == "ts"
+
+
+@pytest.mark.parametrize(
+    ("changes", "path", "words"),
+    [
+        ({"sql": None, "key": None}, "sources", "several inputs need sql"),
+        ({"source": {"topics": ["x"]}}, "sources", "either source"),
+        ({"event_time": {"field": "dateTime"}}, "event_time", "each input has its own"),
+        ({"sql": "  "}, "sql", "must be a Spark SQL query"),
+        ({"window": BASE["window"]}, "window", "set one of window, transform and sql"),
+        ({"transform": "m:f"}, "transform", "set one of window, transform and sql"),
+        ({"sources": {"my-input": {"topics": ["x"]}}}, "sources.my-input", "view in sql"),
+        ({"sources": {}}, "sources", "at least one input"),
+        ({"sources": {"Persons": {"topics": ["x"]}}}, "sources.Persons", "lower-case"),
+        (
+            {
+                "sources": {
+                    "a": {"topics": ["x"], "format": "raw"},
+                    "b": {"topics": ["y", "x"], "format": "raw"},
+                }
+            },
+            "sources.b.topics",
+            "['x'] already read by input 'a'",
+        ),
+    ],
+)
+def test_named_inputs_and_sql_errors_name_their_field(changes, path, words):
+    with pytest.raises(ConfigError) as caught:
+        parse(join_with(**changes))
+    assert caught.value.path == path and words in str(caught.value), str(caught.value)
+
+
+def test_an_input_error_names_the_input():
+    sources = join_with()["sources"]
+    sources["auctions"].pop("schema")
+    with pytest.raises(ConfigError, match=r"^sources.auctions.schema: is required"):
+        parse(join_with(sources=sources))
+    sources = join_with()["sources"]
+    sources["persons"]["event_time"]["field"] = "datetime"
+    with pytest.raises(ConfigError, match=r"^sources.persons.event_time.field: .*'dateTime'"):
+        parse(join_with(sources=sources))
+
+
+def test_key_applies_to_sql_only():
+    with pytest.raises(ConfigError, match="^key: applies to sql pipelines"):
+        parse({**BASE, "key": "user"})

@@ -340,6 +340,7 @@ def test_a_restart_discards_what_a_failed_attempt_staged_before_the_replay(
     monkeypatch.setattr(TaskContext, "get", staticmethod(lambda: Task()))
     plan = RoutePlan(
         checkpoint=str(checkpoint),
+        source="input",
         format="avro-confluent",
         fields=("user", "ts"),
         required=(),

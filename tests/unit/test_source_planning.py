@@ -130,7 +130,7 @@ def test_planning_looks_up_again_when_a_topic_is_recreated_meanwhile(monkeypatch
     assert reader._look_up() == ([("t", 0)], {"t": "new"}, {("t", 0): 0}, {("t", 0): 7})
 
 
-def _reader_over(monkeypatch, answers: list[dict], stable: int = 90):
+def _reader_over(monkeypatch, answers: list[dict], stable: int = 90, **options: str):
     """A reader of topic t whose broker answers topic ids from `answers`, one per call."""
     from onceflow.connectors import kafka_clients
     from onceflow.connectors.source import KafkaStreamReader
@@ -140,7 +140,7 @@ def _reader_over(monkeypatch, answers: list[dict], stable: int = 90):
     monkeypatch.setattr(kafka_clients, "earliest", lambda conf, tps: {tp: 0 for tp in tps})
     monkeypatch.setattr(kafka_clients, "stable_ends", lambda conf, tps: {tp: stable for tp in tps})
     reader = KafkaStreamReader(
-        {"kafka.bootstrap.servers": "x:1", "subscribe": "t", "failOnDataLoss": "false"}
+        {"kafka.bootstrap.servers": "x:1", "subscribe": "t", "failOnDataLoss": "false", **options}
     )
     monkeypatch.setattr(reader, "_partitions_now", lambda: [("t", 0)])
     return reader
@@ -201,3 +201,49 @@ def test_a_limit_smaller_than_the_share_still_admits_a_record():
 
     assert ramp_limit(ReadMaxRows(5), 0).max_rows == 1
     assert isinstance(ramp_limit(ReadAllAvailable(), 0), ReadAllAvailable)
+
+
+def test_an_input_handed_another_inputs_offsets_refuses_to_plan_or_read(monkeypatch):
+    """Spark matches a query's sources to the offset log by their place in the query: after
+    the sql's inputs changed places, input `persons` would get the offsets `auctions` logged
+    and, finding none of its own topics there, read them all again from the earliest."""
+    from onceflow.connectors import offsets
+    from onceflow.connectors.errors import OnceflowError
+
+    reader = _reader_over(monkeypatch, [{"t": "A"}] * 3, inputName="persons")
+    own = reader.latestOffset(offsets.logged({("t", 0): 30}, {"t": "A"}), ReadAllAvailable())
+    assert offsets.input_of(own) == "persons" and offsets.positions(own) == {("t", 0): 90}
+    assert len(reader.partitions(own, own)) == 0  # its own offsets (an empty batch) are fine
+
+    theirs = offsets.logged({("u", 0): 30}, {"u": "U"}, input_name="auctions")
+    with pytest.raises(OnceflowError, match="'persons' was handed .* of input 'auctions'"):
+        reader.latestOffset(theirs, ReadAllAvailable())
+    with pytest.raises(OnceflowError, match="new checkpoint location"):
+        reader.partitions(theirs, theirs)
+
+
+def test_a_querys_only_input_writes_offsets_as_before(monkeypatch):
+    from onceflow.connectors import offsets
+
+    reader = _reader_over(monkeypatch, [{"t": "A"}, {"t": "A"}])
+    end = reader.latestOffset(offsets.logged({("t", 0): 30}, {"t": "A"}), ReadAllAvailable())
+    assert end == {"t": {"0": 90}, "@topicIds": {"t": "A"}}
+
+
+def test_a_named_input_without_initial_offsets_refuses_once_batch_0_was_planned(
+    monkeypatch, tmp_path
+):
+    """Batch 0 is replayed from the initial offsets: an input renamed (or added) after it
+    was planned must not choose new ones."""
+    from onceflow.connectors.checkpoint import CheckpointDir
+    from onceflow.connectors.errors import OnceflowError
+
+    reader = _reader_over(
+        monkeypatch, [{"t": "A"}] * 2, inputName="persons", checkpointLocation=str(tmp_path)
+    )
+    (tmp_path / "offsets").mkdir()
+    (tmp_path / "offsets" / "0").write_text('v1\n{"batchWatermarkMs":0}\n{}\n')
+    with pytest.raises(OnceflowError, match="'persons' has no initial offsets"):
+        reader.initialOffset()
+    CheckpointDir(tmp_path).save_initial_offsets({"t": {"0": 4}}, "persons")
+    assert reader.initialOffset() == {"t": {"0": 4}}
