@@ -97,13 +97,13 @@ def _analyse_sql(config: pipeline_config.PipelineConfig) -> None:
     """Spark parses and analyses the query over the inputs' views; nothing connects to Kafka
     and no stream starts. A refusal is a ConfigError of `sql` (exit 2)."""
     from .formats import encode
-    from .pipeline import sql_result
+    from .pipeline import SQL_RESULT, sql_result
     from .spark_session import build_session
 
     print("analysing the sql query with Spark ...", file=sys.stderr, flush=True)
     spark = build_session("local[1]", f"onceflow-validate-{config.app_id}", config.spark_conf)
     result = sql_result(spark, config)
-    encode(result, config.sink.format, lambda schema: 0, key=config.key)  # registers nothing
+    encode(result, config.sink.format, lambda schema: 0, config.key, SQL_RESULT)  # registers none
 
 
 def _run(args: argparse.Namespace) -> int:

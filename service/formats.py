@@ -225,11 +225,12 @@ def encode(
     fmt: str,
     registered: Callable[[dict], int] | None = None,
     key: str | None = "key",
+    record: str = "WindowResult",
 ):
     """Key and value columns of the results: the value holds every column, the record key is
-    column `key` (None: no key). avro-confluent values carry the id that `registered` gives
-    the results' schema (it registers it: a refusal stops the run here, before the query
-    starts and anything is produced)."""
+    column `key` (None: no key). Avro values are records named `record`; avro-confluent
+    values carry the id that `registered` gives the results' schema (it registers it: a
+    refusal stops the run here, before the query starts and anything is produced)."""
     if key is None:
         key = F.lit(None).cast("string")
     elif isinstance(result.schema[key].dataType, StructType):
@@ -239,7 +240,7 @@ def encode(
     columns = [_column(c) for c in result.columns]
     if fmt == "json":
         return result.select(key.alias("key"), F.to_json(F.struct(*columns)).alias("value"))
-    schema = avro_schema(result.schema)
+    schema = avro_schema(result.schema, record)
     schema_id = None
     if fmt == "avro-confluent":
         assert registered is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from collections import Counter
 from functools import partial
 
@@ -41,6 +42,8 @@ FORMAT = "onceflow-kafka"
 # PythonWorkerFactory.createSimpleWorker, not a setting).
 SOURCE_WORKER_LATE = "Python worker failed to connect back"
 START_ATTEMPTS = 3
+SQL_RESULT = "SqlResult"  # the Avro record name of a sql pipeline's results
+AVRO_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def source_stream(spark: SparkSession, config: PipelineConfig, source: SourceConfig) -> DataFrame:
@@ -228,6 +231,11 @@ def sql_result(
     if config.key is not None and config.key not in columns:
         raise ConfigError("key", f"{config.key!r} is not a column of the query's result {columns}")
     if config.sink.format in AVRO_FORMATS:
+        unnamed = [c for c in columns if not AVRO_NAME.match(c)]
+        if unnamed:
+            raise ConfigError(
+                "sql", f"result columns {unnamed} are not Avro field names; name them with AS"
+            )
         try:
             formats.avro_schema(result.schema)
         except ValueError as exc:
@@ -295,9 +303,8 @@ def queried(
 ) -> DataFrame:
     """The `sql:` query's results as key/value records (key: the column `key:` names)."""
     result = sql_result(spark, config, input_bytes)
-    return formats.encode(
-        result, config.sink.format, partial(_register_results, config), key=config.key
-    )
+    register = partial(_register_results, config)
+    return formats.encode(result, config.sink.format, register, config.key, SQL_RESULT)
 
 
 def output_of(

@@ -169,3 +169,17 @@ def test_validate_accepts_a_join_and_names_its_inputs(tmp_path, capsys):
     file.write_text(yaml.safe_dump(pipeline, sort_keys=False))
     assert cli.main(["validate", str(file)]) == 0
     assert "ok (sql pipeline 'sql-join', persons, auctions -> out)" in capsys.readouterr().out
+
+
+def test_validate_refuses_result_columns_avro_cannot_name(tmp_path, capsys):
+    import yaml
+
+    file = tmp_path / "pipeline.yaml"
+    pipeline = join_pipeline(
+        "SELECT p.id + 1, a.seller FROM persons p JOIN auctions a ON p.id = a.seller"
+    )
+    pipeline["kafka"] = {"bootstrap_servers": "127.0.0.1:1"}
+    pipeline["sink"]["format"] = "avro"
+    file.write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    assert cli.main(["validate", str(file)]) == 2
+    assert "result columns ['(id + 1)'] are not Avro field names" in capsys.readouterr().err
