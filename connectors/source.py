@@ -93,10 +93,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # and offsets lost with failOnDataLoss=false are counted there for the metrics.
         location = options.get("checkpointLocation")
         self.checkpoint = CheckpointDir(location) if location else None
-        # A query with several inputs names each: each keeps its own initial offsets and
-        # writes its name into its offsets (see offsets.INPUT).
-        self.input_name = options.get("inputName", DEFAULT_SOURCE)
-        self._tag = None if self.input_name == DEFAULT_SOURCE else self.input_name
+        # A named input (of `sources:`) keeps its own initial offsets and writes its name into
+        # its offsets (see offsets.INPUT); a pipeline's one `source:` has no name option.
+        self._tag = options.get("inputName")
+        self.input_name = self._tag or DEFAULT_SOURCE
         self._latest: Offsets | None = None
         self._epochs_planned = 0  # epochs with records this process planned
         self._available_now_target: dict[tuple[str, int], int] | None = None
@@ -224,9 +224,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 raise OnceflowError(
                     f"input {self.input_name!r} was handed the checkpoint's offsets of input "
                     f"{found!r}: Spark matches a query's inputs to its checkpoint by their place "
-                    "in the query, and they moved (another order in the sql's FROM and JOINs, "
-                    "or an input added or removed). Restore the query as it was, or start it "
-                    "with a new checkpoint location."
+                    "in the query, and they moved (another order in the sql's FROM and JOINs) "
+                    "or were renamed. Restore the query and its input names as they were, or "
+                    "start it with a new checkpoint location."
                 )
 
     def _look_up(self) -> tuple[list[TP], dict, dict[TP, int], dict[TP, int]]:

@@ -327,8 +327,22 @@ def parse(raw: dict, base_dir: Path = Path(".")) -> PipelineConfig:
         base_dir=base_dir,
     )
     _check_fields(config)
+    _check_sql_settings(config)
     _check_sink_producer(config)
     return config
+
+
+def _check_sql_settings(config: PipelineConfig) -> None:
+    """The router of a sql input routes late rows at the previous epoch's watermark, the one
+    Spark drops them at with several stateful operators allowed (its default); with one
+    allowed, Spark drops at the epoch's own watermark, so rows in between would vanish."""
+    setting = "spark.sql.streaming.statefulOperator.allowMultiple"
+    if config.sql is not None and config.spark_conf.get(setting, "true").lower() == "false":
+        raise ConfigError(
+            f"spark.conf.{setting}",
+            "must stay true (Spark's default) in a sql pipeline: onceflow routes late records "
+            "at the watermark Spark drops them at with it",
+        )
 
 
 def _check_sink_producer(config: PipelineConfig) -> None:

@@ -27,6 +27,7 @@ from onceflow.connectors.sink import ForeachBatchSink
 from . import formats
 from .config import (
     AVRO_FORMATS,
+    DEFAULT_SOURCE,
     ConfigError,
     EventTimeConfig,
     PipelineConfig,
@@ -57,8 +58,9 @@ def source_stream(spark: SparkSession, config: PipelineConfig, source: SourceCon
         .option("failOnDataLoss", str(source.fail_on_data_loss).lower())
         .option("group.id", f"onceflow-{config.app_id}")
         .option("checkpointLocation", config.checkpoint_location)
-        .option("inputName", source.name)
     )
+    if source.path != "source":  # a named input of `sources:` (see KafkaStreamReader)
+        reader = reader.option("inputName", source.name)
     parallelism = source.parallelism or spark.sparkContext.defaultParallelism
     return reader.option("parallelism", str(parallelism)).load()
 
@@ -219,11 +221,16 @@ def sql_result(
         _check_streaming(result)
     except (AnalysisException, ParseException) as exc:
         raise ConfigError("sql", f"Spark refuses the query: {str(exc).strip()}") from None
+    finally:  # the query keeps its plan; a later run in this session must not find the views
+        for source in config.sources:
+            spark.catalog.dropTempView(source.name)
     if not result.isStreaming:
         raise ConfigError("sql", "reads none of the inputs: a pipeline's query reads its streams")
     _check_each_input_read_once(config, result)
+    _check_watermarks(config, result)
     columns = result.columns
-    repeated = sorted({c for c in columns if columns.count(c) > 1})
+    lowered = [c.lower() for c in columns]  # Spark resolves names ignoring case
+    repeated = sorted({c for c in columns if lowered.count(c.lower()) > 1})
     if repeated:
         raise ConfigError(
             "sql", f"the result has several columns named {repeated}; give each its own (AS)"
@@ -266,6 +273,12 @@ def _check_each_input_read_once(config: PipelineConfig, result: DataFrame) -> No
     scans = _input_scans(result)
     if scans is None:
         return
+    names = {source.name for source in config.sources}
+    foreign = sorted({str(scan) for scan in scans if scan not in names})
+    if foreign:
+        raise ConfigError(
+            "sql", f"reads streams that are not inputs of this pipeline ({foreign}); read inputs"
+        )
     read = Counter(scans)
     twice = sorted(name for name, n in read.items() if n > 1)
     if twice:
@@ -281,21 +294,45 @@ def _check_each_input_read_once(config: PipelineConfig, result: DataFrame) -> No
             )
 
 
-def _input_scans(result: DataFrame) -> list[str] | None:
-    """The input (inputName) of every streaming scan in the query's analysed plan; None where
-    Spark's internal plan classes are not what this reads (the check is then skipped)."""
+def _input_scans(result: DataFrame) -> list[str | None] | None:
+    """The input of every streaming scan in the query's analysed plan: its `inputName`, or
+    `input` for a pipeline's one `source:`, or None for a stream that is not onceflow's. None
+    where Spark's internal plan classes are not what this reads (the check is then skipped).
+    A common table expression read twice is one scan here (Spark keeps CTEs apart until it
+    optimises, which a streaming query does only when it starts)."""
     try:
         leaves = result._jdf.queryExecution().analyzed().collectLeaves()
-        scans = []
+        scans: list[str | None] = []
         for i in range(leaves.size()):
             leaf = leaves.apply(i)
             if leaf.getClass().getSimpleName() == "StreamingRelationV2":
-                scans.append(leaf.extraOptions().get("inputName"))
+                ours = leaf.sourceName() == FORMAT
+                name = leaf.extraOptions().get("inputName") if ours else None
+                scans.append((name or DEFAULT_SOURCE) if ours else None)
     except Py4JJavaError:
         raise
     except Py4JError:
         return None
     return scans or None
+
+
+def _check_watermarks(config: PipelineConfig, result: DataFrame) -> None:
+    """The watermarks are the inputs' own (`event_time:`): one the query sets itself (SQL's
+    WATERMARK clause) would make Spark drop rows the router never routed as late."""
+    try:
+        plan = result._jdf.queryExecution().analyzed()
+        found = plan.toString().count("EventTimeWatermark")
+    except Py4JJavaError:
+        raise
+    except Py4JError:
+        return
+    own = sum(1 for source in config.sources if source.event_time is not None)
+    if found > own:
+        raise ConfigError(
+            "sql",
+            "sets a watermark of its own (WATERMARK); give the input an event_time: with a "
+            "watermark_delay instead, so that its late records go to the late topic",
+        )
 
 
 def queried(

@@ -146,6 +146,11 @@ def test_a_sql_window_over_one_source_counts_and_routes_late_records(onceflow_ru
             "SELECT p.id, a.id FROM persons p JOIN auctions a ON p.id = a.seller",
             "several columns named ['id']",
         ),
+        (
+            "SELECT p.name, a.seller, a.id AS NAME FROM persons p JOIN auctions a "
+            "ON p.id = a.seller",
+            "several columns named ['NAME', 'name']",
+        ),
     ],
 )
 def test_validate_refuses_a_query_that_cannot_run_with_exit_2(tmp_path, capsys, sql, words):

@@ -283,3 +283,9 @@ def test_an_input_error_names_the_input():
 def test_key_applies_to_sql_only():
     with pytest.raises(ConfigError, match="^key: applies to sql pipelines"):
         parse({**BASE, "key": "user"})
+
+
+def test_a_sql_pipeline_keeps_sparks_watermark_for_late_rows():
+    conf = {"conf": {"spark.sql.streaming.statefulOperator.allowMultiple": "false"}}
+    with pytest.raises(ConfigError, match="allowMultiple: must stay true"):
+        parse(join_with(spark=conf))
