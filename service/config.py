@@ -421,9 +421,9 @@ def _inputs(top: _Section, raw: dict) -> tuple[SourceConfig, ...]:
                 "digit not first), e.g. clicks or user_events",
             )
         section = _Section(block, path)
-        event = _Section(section.mapping("event_time"), f"{path}.event_time")
-        with_event_time = section.value("event_time") is not None
-        source = _source(section, event if with_event_time else None, name)
+        given = section.value("event_time") is not None
+        event = _Section(section.mapping("event_time"), f"{path}.event_time") if given else None
+        source = _source(section, event, name)
         for other in sources:
             shared = sorted(set(other.topics) & set(source.topics))
             if shared:

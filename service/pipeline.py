@@ -218,7 +218,9 @@ def sql_result(
         view.createOrReplaceTempView(source.name)
     try:
         result = spark.sql(config.sql)
-        _check_streaming(result)
+        plan = _analysed_plan(result)
+        if plan is not None:
+            _check_streaming(result, plan)
     except (AnalysisException, ParseException) as exc:
         raise ConfigError("sql", f"Spark refuses the query: {str(exc).strip()}") from None
     finally:  # the query keeps its plan; a later run in this session must not find the views
@@ -226,8 +228,9 @@ def sql_result(
             spark.catalog.dropTempView(source.name)
     if not result.isStreaming:
         raise ConfigError("sql", "reads none of the inputs: a pipeline's query reads its streams")
-    _check_each_input_read_once(config, result)
-    _check_watermarks(config, result)
+    if plan is not None:
+        _check_each_input_read_once(config, plan)
+        _check_watermarks(config, plan)
     columns = result.columns
     lowered = [c.lower() for c in columns]  # Spark resolves names ignoring case
     repeated = sorted({c for c in columns if lowered.count(c.lower()) > 1})
@@ -250,7 +253,19 @@ def sql_result(
     return result
 
 
-def _check_streaming(result: DataFrame) -> None:
+def _analysed_plan(result: DataFrame):
+    """The query's analysed plan (a JVM object) for the checks below, which read Spark's
+    internal plan classes; None where this Spark does not offer them (the checks are then
+    skipped, and the query start makes Spark's own)."""
+    try:
+        return result._jdf.queryExecution().analyzed()
+    except Py4JJavaError:
+        raise
+    except Py4JError:
+        return None
+
+
+def _check_streaming(result: DataFrame, plan) -> None:
     """What Spark checks only when a streaming query starts (append mode, watermarks on the
     sides of an outer join, aggregations it cannot emit once), checked now: `validate` runs
     this without starting anything. The checker is Spark's internal API; without it the
@@ -259,18 +274,18 @@ def _check_streaming(result: DataFrame) -> None:
     try:
         checker = jvm.org.apache.spark.sql.catalyst.analysis.UnsupportedOperationChecker
         append = jvm.org.apache.spark.sql.streaming.OutputMode.Append()
-        checker.checkForStreaming(result._jdf.queryExecution().analyzed(), append)
+        checker.checkForStreaming(plan, append)
     except Py4JJavaError:
         raise
     except Py4JError:  # a Spark without this internal API (its refusals are AnalysisException)
         return
 
 
-def _check_each_input_read_once(config: PipelineConfig, result: DataFrame) -> None:
+def _check_each_input_read_once(config: PipelineConfig, plan) -> None:
     """Every input is read by exactly one scan of the query. A view named twice (a self-join)
     is two scans that plan their batches apart, so a record could be routed, and its dead
     letter published, in two epochs; an input never named would hold its offsets forever."""
-    scans = _input_scans(result)
+    scans = _input_scans(plan)
     if scans is None:
         return
     names = {source.name for source in config.sources}
@@ -294,14 +309,14 @@ def _check_each_input_read_once(config: PipelineConfig, result: DataFrame) -> No
             )
 
 
-def _input_scans(result: DataFrame) -> list[str | None] | None:
+def _input_scans(plan) -> list[str | None] | None:
     """The input of every streaming scan in the query's analysed plan: its `inputName`, or
     `input` for a pipeline's one `source:`, or None for a stream that is not onceflow's. None
     where Spark's internal plan classes are not what this reads (the check is then skipped).
     A common table expression read twice is one scan here (Spark keeps CTEs apart until it
     optimises, which a streaming query does only when it starts)."""
     try:
-        leaves = result._jdf.queryExecution().analyzed().collectLeaves()
+        leaves = plan.collectLeaves()
         scans: list[str | None] = []
         for i in range(leaves.size()):
             leaf = leaves.apply(i)
@@ -316,11 +331,10 @@ def _input_scans(result: DataFrame) -> list[str | None] | None:
     return scans or None
 
 
-def _check_watermarks(config: PipelineConfig, result: DataFrame) -> None:
+def _check_watermarks(config: PipelineConfig, plan) -> None:
     """The watermarks are the inputs' own (`event_time:`): one the query sets itself (SQL's
     WATERMARK clause) would make Spark drop rows the router never routed as late."""
     try:
-        plan = result._jdf.queryExecution().analyzed()
         found = plan.toString().count("EventTimeWatermark")
     except Py4JJavaError:
         raise
