@@ -294,7 +294,11 @@ class LocalKafka:
         pid = self.pid()
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
-            wait_exit(pid, 10)
+            if not wait_exit(pid, 30):
+                raise LocalKafkaError(
+                    f"the broker at {self.bootstrap} (pid {pid}) outlived SIGKILL by 30 s; "
+                    f"see `ps -L -p {pid}` for what it is stuck in"
+                )
 
     def pause(self, paused: bool = True) -> None:
         """SIGSTOP the broker (a hung node: its connections stay open, nothing answers), or

@@ -58,9 +58,13 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie child (exited, not yet reaped) still answers kill(0); /proc tells the truth.
+    # A zombie child (exited, not yet reaped) still answers kill(0); /proc tells the truth. A
+    # zombie main thread is not yet a dead process: a SIGKILLed JVM's other threads go on
+    # tearing down, holding its files and listening sockets, after its main thread shows Z.
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        if Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+            return True
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
     except FileNotFoundError:
         return False
 
