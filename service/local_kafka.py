@@ -294,10 +294,11 @@ class LocalKafka:
         pid = self.pid()
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
-            if not wait_exit(pid, 30):
+            if not wait_exit(pid, local_process.EXIT_WAIT_S):
                 raise LocalKafkaError(
-                    f"the broker at {self.bootstrap} (pid {pid}) outlived SIGKILL by 30 s; "
-                    f"see `ps -L -p {pid}` for what it is stuck in"
+                    f"the broker at {self.bootstrap} (pid {pid}) outlived SIGKILL by "
+                    f"{local_process.EXIT_WAIT_S:.0f} s; see `ps -L -p {pid}` for what it is "
+                    "stuck in"
                 )
 
     def pause(self, paused: bool = True) -> None:

@@ -12,6 +12,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+# How long a SIGKILLed process may take to end (its threads to release its files).
+EXIT_WAIT_S = 30.0
+
 
 class LocalServiceError(RuntimeError):
     """A local service (broker, registry) could not be set up or started; the message says
@@ -31,11 +34,15 @@ def locked(path: Path) -> Iterator[None]:
 
 def pid_in(pid_file: Path, command_mark: bytes) -> int | None:
     """The pid in `pid_file` if that process is alive and its command line holds
-    `command_mark` (a stale pid file, or a pid the system gave to another program: None)."""
+    `command_mark` (a stale pid file, or a pid the system gave to another program: None).
+    A process still exiting is waited for, then None: its threads may hold its ports."""
     try:
         pid = int(pid_file.read_text().strip())
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ValueError):
+        return None
+    if exiting(pid):  # no command line left to check; wait, so that its ports are free
+        wait_exit(pid, EXIT_WAIT_S)
         return None
     return pid if command_mark in cmdline and alive(pid) else None
 
@@ -58,15 +65,26 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie child (exited, not yet reaped) still answers kill(0); /proc tells the truth. A
-    # zombie main thread is not yet a dead process: a SIGKILLed JVM's other threads go on
-    # tearing down, holding its files and listening sockets, after its main thread shows Z.
+    # A zombie child (exited, not yet reaped) still answers kill(0); /proc tells the truth.
     try:
-        if Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
-            return True
-        return len(os.listdir(f"/proc/{pid}/task")) > 1
+        return _state(pid) != "Z" or exiting(pid)
     except FileNotFoundError:
         return False
+
+
+def exiting(pid: int) -> bool:
+    """Whether `pid`'s main thread has exited and its other threads not yet: a SIGKILLed JVM
+    tearing down shows Z for its main thread while its threads still hold its files and
+    listening sockets (and /proc no longer shows its command line)."""
+    try:
+        return _state(pid) == "Z" and len(os.listdir(f"/proc/{pid}/task")) > 1
+    except FileNotFoundError:
+        return False
+
+
+def _state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (after the command name, which may hold spaces)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def wait_exit(pid: int, timeout: float) -> bool:
@@ -92,7 +110,11 @@ def stop(pid: int, name: str, timeout: float, progress: Callable[[str], None]) -
     if not wait_exit(pid, timeout):
         progress(f"{_sentence(name)} did not stop within {timeout:.0f}s; killing it")
         os.kill(pid, signal.SIGKILL)
-        wait_exit(pid, 10)
+        if not wait_exit(pid, EXIT_WAIT_S):
+            raise LocalServiceError(
+                f"{name} (pid {pid}) outlived SIGKILL by {EXIT_WAIT_S:.0f} s; see "
+                f"`ps -L -p {pid}` for what it is stuck in"
+            )
     progress(f"{_sentence(name)} stopped")
 
 
