@@ -229,7 +229,7 @@ def sql_result(
     if not result.isStreaming:
         raise ConfigError("sql", "reads none of the inputs: a pipeline's query reads its streams")
     if plan is not None:
-        _check_each_input_read_once(config, plan)
+        _check_each_input_read_once(config, _ctes_inlined(result, plan))
         _check_watermarks(config, plan)
     columns = result.columns
     lowered = [c.lower() for c in columns]  # Spark resolves names ignoring case
@@ -263,6 +263,20 @@ def _analysed_plan(result: DataFrame):
         raise
     except Py4JError:
         return None
+
+
+def _ctes_inlined(result: DataFrame, plan):
+    """`plan` with its common table expressions inlined wherever they are read, as Spark's
+    optimiser does when the query starts (its InlineCTE rule, always inlining): one read
+    twice is then two scans. `plan` itself where this Spark's rule is not what this calls."""
+    jvm = result.sparkSession._jvm
+    try:
+        # InlineCTE(alwaysInline, keepDanglingRelations, isAnalysis), Spark 4.x
+        return jvm.org.apache.spark.sql.catalyst.optimizer.InlineCTE(True, False, False).apply(plan)
+    except Py4JJavaError:
+        raise
+    except Py4JError:
+        return plan
 
 
 def _check_streaming(result: DataFrame, plan) -> None:
@@ -313,8 +327,8 @@ def _input_scans(plan) -> list[str | None] | None:
     """The input of every streaming scan in the query's analysed plan: its `inputName`, or
     `input` for a pipeline's one `source:`, or None for a stream that is not onceflow's. None
     where Spark's internal plan classes are not what this reads (the check is then skipped).
-    A common table expression read twice is one scan here (Spark keeps CTEs apart until it
-    optimises, which a streaming query does only when it starts)."""
+    A common table expression read twice is one scan unless the plan has them inlined
+    (`_ctes_inlined`)."""
     try:
         leaves = plan.collectLeaves()
         scans: list[str | None] = []

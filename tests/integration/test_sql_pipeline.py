@@ -142,6 +142,11 @@ def test_a_sql_window_over_one_source_counts_and_routes_late_records(onceflow_ru
             "JOIN persons p ON p.id = a.seller",
             "sql: reads input(s) ['auctions'] more than once",
         ),
+        (  # the same self-join through a common table expression
+            "WITH a2 AS (SELECT * FROM auctions) SELECT a.seller FROM a2 a JOIN a2 b "
+            "ON a.id = b.id JOIN persons p ON p.id = a.seller",
+            "sql: reads input(s) ['auctions'] more than once",
+        ),
         (
             "SELECT p.id, a.id FROM persons p JOIN auctions a ON p.id = a.seller",
             "several columns named ['id']",
@@ -165,11 +170,20 @@ def test_validate_refuses_a_query_that_cannot_run_with_exit_2(tmp_path, capsys, 
     assert words in error, error
 
 
-def test_validate_accepts_a_join_and_names_its_inputs(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "sql",
+    [
+        INTERVAL_JOIN,
+        # a common table expression read once is one scan, inlined or not
+        "WITH sellers AS (SELECT id, name, event_time FROM persons) "
+        + INTERVAL_JOIN.replace("FROM persons p", "FROM sellers p"),
+    ],
+)
+def test_validate_accepts_a_join_and_names_its_inputs(tmp_path, capsys, sql):
     import yaml
 
     file = tmp_path / "pipeline.yaml"
-    pipeline = join_pipeline(INTERVAL_JOIN)
+    pipeline = join_pipeline(sql)
     pipeline["kafka"] = {"bootstrap_servers": "127.0.0.1:1"}
     file.write_text(yaml.safe_dump(pipeline, sort_keys=False))
     assert cli.main(["validate", str(file)]) == 0
