@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 INSTALLED := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench bench-recovery clean constraints
+.PHONY: setup demo test lint bench bench-joins bench-recovery clean constraints
 
 $(INSTALLED): pyproject.toml deploy/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ bench: $(INSTALLED)
 	$(VENV)/bin/python -m pip install --quiet -e '.[bench]'
 	$(VENV)/bin/onceflow kafka start
 	$(VENV)/bin/python -m bench.run $(BENCH_ARGS)
+
+# Nexmark Q8's stream-stream join: onceflow's SQL next to Spark's JVM connector and Quix
+# Streams, each output checked against the join computed from the records.
+bench-joins: $(INSTALLED)
+	$(VENV)/bin/onceflow kafka start
+	$(VENV)/bin/python -m bench.joins $(BENCH_ARGS)
 
 # Restart to first output, progress under a SIGKILL loop, an epoch's fixed cost.
 bench-recovery: $(INSTALLED)

@@ -79,23 +79,51 @@ def _artifact(jar: str) -> str:
     return "-".join(p for p in parts if not p[:1].isdigit())
 
 
+def _read(spark, bootstrap: str, topic: str, schema: str, per_trigger: int):
+    """`topic`'s JSON records as columns of `schema`."""
+    from pyspark.sql import functions as F
+
+    raw = (
+        spark.readStream.format("kafka")
+        .option("kafka.bootstrap.servers", bootstrap)
+        .option("subscribe", topic)
+        .option("startingOffsets", "earliest")
+        .option("kafka.isolation.level", "read_committed")
+        .option("maxOffsetsPerTrigger", per_trigger)
+        .load()
+    )
+    return raw.select(F.from_json(F.col("value").cast("string"), schema).alias("r")).select("r.*")
+
+
+def q8(spark, bootstrap: str, source: str):
+    """bench/joins.py's join: `source` is the people's topic, a comma, the auctions' topic."""
+    from pyspark.sql import functions as F
+
+    from bench import joins
+
+    watermark = f"{joins.BOUND_S} seconds"
+    for name, topic, schema in zip(
+        ("persons", "auctions"),
+        source.split(","),
+        (joins.PERSON_SCHEMA, joins.AUCTION_SCHEMA),
+        strict=True,
+    ):
+        records = _read(spark, bootstrap, topic, schema, joins.PER_BATCH)
+        records = records.withColumn("event_time", F.timestamp_millis("dateTime"))
+        records.withWatermark("event_time", watermark).createOrReplaceTempView(name)
+    result = spark.sql(joins.SQL_JOIN)
+    value = F.to_json(F.struct("seller", "name", "auction"))
+    return result.select(F.col("seller").cast("string").alias("key"), value.alias("value"))
+
+
 def build_query(spark, query: str, bootstrap: str, source: str):
     from pyspark.sql import functions as F
 
     from bench.nexmark import BID_SCHEMA, EPOCH_RECORDS, WINDOWS
 
-    raw = (
-        spark.readStream.format("kafka")
-        .option("kafka.bootstrap.servers", bootstrap)
-        .option("subscribe", source)
-        .option("startingOffsets", "earliest")
-        .option("kafka.isolation.level", "read_committed")
-        .option("maxOffsetsPerTrigger", EPOCH_RECORDS)
-        .load()
-    )
-    bids = raw.select(F.from_json(F.col("value").cast("string"), BID_SCHEMA).alias("b")).select(
-        "b.*"
-    )
+    if query == "q8":
+        return q8(spark, bootstrap, source)
+    bids = _read(spark, bootstrap, source, BID_SCHEMA, EPOCH_RECORDS)
     if query == "q1":
         value = F.to_json(
             F.struct(

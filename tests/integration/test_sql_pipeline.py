@@ -142,6 +142,12 @@ def test_a_sql_window_over_one_source_counts_and_routes_late_records(onceflow_ru
             "JOIN persons p ON p.id = a.seller",
             "sql: reads input(s) ['auctions'] more than once",
         ),
+        (  # Spark's WATERMARK clause: Spark would drop rows the router never saw as late
+            "SELECT a.seller FROM persons p JOIN auctions "
+            "WATERMARK event_time DELAY OF INTERVAL 1 SECOND a ON p.id = a.seller "
+            "AND a.event_time BETWEEN p.event_time AND p.event_time + INTERVAL 10 SECONDS",
+            "sql: sets a watermark of its own (WATERMARK)",
+        ),
         (  # the same self-join through a common table expression
             "WITH a2 AS (SELECT * FROM auctions) SELECT a.seller FROM a2 a JOIN a2 b "
             "ON a.id = b.id JOIN persons p ON p.id = a.seller",
