@@ -104,8 +104,9 @@ class LocalCluster:
         first ones took with them."""
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(self.size) as pool:
-            return any(pool.map(lambda node: node.stop(progress), self.nodes))
+        with ThreadPoolExecutor(self.size) as pool:  # every node's error raises, not the first
+            stopped = list(pool.map(lambda node: node.stop(progress), self.nodes))
+        return any(stopped)
 
     def status(self) -> str:
         lines = [f"node {node.node_id}: {node.status()}" for node in self.nodes]

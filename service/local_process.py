@@ -39,10 +39,14 @@ def pid_in(pid_file: Path, command_mark: bytes) -> int | None:
     try:
         pid = int(pid_file.read_text().strip())
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):  # no file, or the process reaped as it was read
         return None
     if exiting(pid):  # no command line left to check; wait, so that its ports are free
-        wait_exit(pid, EXIT_WAIT_S)
+        if not wait_exit(pid, EXIT_WAIT_S):
+            raise LocalServiceError(
+                f"the process of {pid_file} (pid {pid}) has been exiting for "
+                f"{EXIT_WAIT_S:.0f} s; see `ps -L -p {pid}` for what it is stuck in"
+            )
         return None
     return pid if command_mark in cmdline and alive(pid) else None
 
@@ -68,7 +72,7 @@ def alive(pid: int) -> bool:
     # A zombie child (exited, not yet reaped) still answers kill(0); /proc tells the truth.
     try:
         return _state(pid) != "Z" or exiting(pid)
-    except FileNotFoundError:
+    except OSError:  # reaped meanwhile
         return False
 
 
@@ -78,7 +82,7 @@ def exiting(pid: int) -> bool:
     listening sockets (and /proc no longer shows its command line)."""
     try:
         return _state(pid) == "Z" and len(os.listdir(f"/proc/{pid}/task")) > 1
-    except FileNotFoundError:
+    except OSError:  # reaped meanwhile
         return False
 
 

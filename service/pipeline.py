@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import re
 from collections import Counter
 from functools import partial
@@ -36,6 +37,8 @@ from .config import (
 )
 from .formats import avro_field_types
 from .routing import CORRUPT, EVENT_TIME, HEADER_SOURCE, SOURCE_META, RoutePlan, route
+
+log = logging.getLogger("onceflow.pipeline")
 
 FORMAT = "onceflow-kafka"
 
@@ -229,8 +232,9 @@ def sql_result(
     if not result.isStreaming:
         raise ConfigError("sql", "reads none of the inputs: a pipeline's query reads its streams")
     if plan is not None:
-        _check_each_input_read_once(config, _ctes_inlined(result, plan))
-        _check_watermarks(config, plan)
+        inlined = _ctes_inlined(result, plan)  # as the query will run: unused CTEs gone
+        _check_each_input_read_once(config, inlined)
+        _check_watermarks(config, inlined)
     columns = result.columns
     lowered = [c.lower() for c in columns]  # Spark resolves names ignoring case
     repeated = sorted({c for c in columns if lowered.count(c.lower()) > 1})
@@ -268,15 +272,18 @@ def _analysed_plan(result: DataFrame):
 def _ctes_inlined(result: DataFrame, plan):
     """`plan` with its common table expressions inlined wherever they are read, as Spark's
     optimiser does when the query starts (its InlineCTE rule, always inlining): one read
-    twice is then two scans. `plan` itself where this Spark's rule is not what this calls."""
-    jvm = result.sparkSession._jvm
-    try:
-        # InlineCTE(alwaysInline, keepDanglingRelations, isAnalysis), Spark 4.x
-        return jvm.org.apache.spark.sql.catalyst.optimizer.InlineCTE(True, False, False).apply(plan)
-    except Py4JJavaError:
-        raise
-    except Py4JError:
-        return plan
+    twice is then two scans, one never read is gone. `plan` itself where this Spark's rule
+    is not what this calls, or refuses the plan (the query start then decides)."""
+    rule = result.sparkSession._jvm.org.apache.spark.sql.catalyst.optimizer.InlineCTE
+    for arguments in ((True, False, False), (True, False)):  # Spark 4.3; 4.2
+        try:
+            return rule(*arguments).apply(plan)
+        except Py4JJavaError as exc:
+            log.warning("could not inline the query's CTEs (%s); checking it as written", exc)
+            return plan
+        except Py4JError:  # no such constructor: try the next
+            continue
+    return plan
 
 
 def _check_streaming(result: DataFrame, plan) -> None:

@@ -183,6 +183,8 @@ def test_validate_refuses_a_query_that_cannot_run_with_exit_2(tmp_path, capsys, 
         # a common table expression read once is one scan, inlined or not
         "WITH sellers AS (SELECT id, name, event_time FROM persons) "
         + INTERVAL_JOIN.replace("FROM persons p", "FROM sellers p"),
+        # one never read is no scan and no watermark of its own (Spark drops it)
+        "WITH unused AS (SELECT * FROM auctions) " + INTERVAL_JOIN,
     ],
 )
 def test_validate_accepts_a_join_and_names_its_inputs(tmp_path, capsys, sql):
