@@ -12,7 +12,9 @@ import json
 import logging
 import re
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
+from typing import TypeVar
 
 from py4j.protocol import Py4JError, Py4JJavaError
 from pyspark import Accumulator
@@ -39,6 +41,7 @@ from .formats import avro_field_types
 from .routing import CORRUPT, EVENT_TIME, HEADER_SOURCE, SOURCE_META, RoutePlan, route
 
 log = logging.getLogger("onceflow.pipeline")
+T = TypeVar("T")
 
 FORMAT = "onceflow-kafka"
 
@@ -257,16 +260,22 @@ def sql_result(
     return result
 
 
-def _analysed_plan(result: DataFrame):
-    """The query's analysed plan (a JVM object) for the checks below, which read Spark's
-    internal plan classes; None where this Spark does not offer them (the checks are then
-    skipped, and the query start makes Spark's own)."""
+def _spark_internal(call: Callable[[], T]) -> T | None:
+    """`call()`, which reaches Spark's internal API through py4j; None where this Spark does
+    not offer what it calls (the check that asked is then skipped, and the query start makes
+    Spark's own). Spark's own errors (Py4JJavaError) go through."""
     try:
-        return result._jdf.queryExecution().analyzed()
+        return call()
     except Py4JJavaError:
         raise
     except Py4JError:
         return None
+
+
+def _analysed_plan(result: DataFrame):
+    """The query's analysed plan (a JVM object) for the checks below, which read Spark's
+    internal plan classes."""
+    return _spark_internal(lambda: result._jdf.queryExecution().analyzed())
 
 
 def _ctes_inlined(result: DataFrame, plan):
@@ -292,14 +301,13 @@ def _check_streaming(result: DataFrame, plan) -> None:
     this without starting anything. The checker is Spark's internal API; without it the
     query start does the same check."""
     jvm = result.sparkSession._jvm
-    try:
-        checker = jvm.org.apache.spark.sql.catalyst.analysis.UnsupportedOperationChecker
-        append = jvm.org.apache.spark.sql.streaming.OutputMode.Append()
-        checker.checkForStreaming(plan, append)
-    except Py4JJavaError:
-        raise
-    except Py4JError:  # a Spark without this internal API (its refusals are AnalysisException)
-        return
+    checker = jvm.org.apache.spark.sql.catalyst.analysis.UnsupportedOperationChecker
+    # Its refusals are AnalysisException, through pyspark's conversion of Spark's errors.
+    _spark_internal(
+        lambda: checker.checkForStreaming(
+            plan, jvm.org.apache.spark.sql.streaming.OutputMode.Append()
+        )
+    )
 
 
 def _check_each_input_read_once(config: PipelineConfig, plan) -> None:
@@ -336,30 +344,26 @@ def _input_scans(plan) -> list[str | None] | None:
     where Spark's internal plan classes are not what this reads (the check is then skipped).
     A common table expression read twice is one scan unless the plan has them inlined
     (`_ctes_inlined`)."""
-    try:
+
+    def scans() -> list[str | None]:
         leaves = plan.collectLeaves()
-        scans: list[str | None] = []
+        found: list[str | None] = []
         for i in range(leaves.size()):
             leaf = leaves.apply(i)
             if leaf.getClass().getSimpleName() == "StreamingRelationV2":
                 ours = leaf.sourceName() == FORMAT
                 name = leaf.extraOptions().get("inputName") if ours else None
-                scans.append((name or DEFAULT_SOURCE) if ours else None)
-    except Py4JJavaError:
-        raise
-    except Py4JError:
-        return None
-    return scans or None
+                found.append((name or DEFAULT_SOURCE) if ours else None)
+        return found
+
+    return _spark_internal(scans) or None
 
 
 def _check_watermarks(config: PipelineConfig, plan) -> None:
     """The watermarks are the inputs' own (`event_time:`): one the query sets itself (SQL's
     WATERMARK clause) would make Spark drop rows the router never routed as late."""
-    try:
-        found = plan.toString().count("EventTimeWatermark")
-    except Py4JJavaError:
-        raise
-    except Py4JError:
+    found = _spark_internal(lambda: plan.toString().count("EventTimeWatermark"))
+    if found is None:
         return
     own = sum(1 for source in config.sources if source.event_time is not None)
     if found > own:
