@@ -87,7 +87,11 @@ rootLogger.level = WARN
 rootLogger.appenderRef.out.ref = STDOUT
 logger.raft.name = kafka.server.KafkaRaftServer
 logger.raft.level = INFO
+logger.logs.name = kafka.log.LogManager
+logger.logs.level = INFO
 """
+# LogManager's line per partition log loaded at start: "... (2300/4642 completed in /data)".
+LOADED_LOGS = re.compile(rb"\((\d+)/(\d+) completed in ")
 
 
 def new_cluster_id() -> str:
@@ -443,8 +447,39 @@ class LocalKafka:
 
     def _wait_ready(self, pid: int, progress: Callable[[str], None]) -> None:
         local_process.wait_ready(
-            lambda: self.answers(1.0), pid, "Kafka", self.log_file, START_TIMEOUT_S, progress
+            lambda: self.answers(1.0),
+            pid,
+            "Kafka",
+            self.log_file,
+            START_TIMEOUT_S,
+            progress,
+            partition_logs_loaded(self.log_file),
         )
+
+
+def partition_logs_loaded(log: Path) -> Callable[[], str | None]:
+    """How far a starting broker is in loading its partitions' logs, from what its log gains
+    from now on: a broker with thousands of partitions, after a crash, loads (and recovers)
+    them for minutes before it answers."""
+    position = log.stat().st_size if log.exists() else 0
+    loaded: str | None = None
+
+    def news() -> str | None:
+        nonlocal position, loaded
+        try:
+            with open(log, "rb") as fh:
+                fh.seek(position)
+                gained = fh.read()
+        except OSError:
+            return loaded
+        whole = gained[: gained.rfind(b"\n") + 1]  # a line still being written waits
+        position += len(whole)
+        if counts := LOADED_LOGS.findall(whole):
+            done, total = counts[-1]
+            loaded = f"loaded {int(done):,} of {int(total):,} partitions' logs"
+        return loaded
+
+    return news
 
 
 def _mb(paths: list[Path]) -> float:

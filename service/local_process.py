@@ -129,11 +129,15 @@ def wait_ready(
     log: Path,
     timeout: float,
     progress: Callable[[str], None],
+    doing: Callable[[], str | None] = lambda: None,
 ) -> None:
-    """Poll `answers` until it is true; LocalServiceError if the process exits first or
-    `timeout` passes, naming its log. A note every 10 s shows it is still waiting."""
+    """Poll `answers` until it is true; LocalServiceError if the process exits first, or if
+    `timeout` passes without an answer and without news from `doing` (what the process
+    reports it is busy with, e.g. a broker loading thousands of partitions after a crash:
+    it is waited for as long as it gets on). A note every 10 s shows it is still waiting."""
     deadline = time.monotonic() + timeout
     next_note = time.monotonic() + 10
+    busy_with = doing()
     while time.monotonic() < deadline:
         if answers():
             return
@@ -141,14 +145,20 @@ def wait_ready(
             raise LocalServiceError(
                 f"{_sentence(name)} exited during startup. Its log {log} ends with:\n{tail(log)}"
             )
+        if (now_doing := doing()) != busy_with:  # news: it gets on, so wait on
+            busy_with, deadline = now_doing, time.monotonic() + timeout
         if time.monotonic() > next_note:
-            progress(f"  still waiting for {name} to answer ...")
+            progress(f"  still waiting for {name} to answer{_aside(busy_with)} ...")
             next_note = time.monotonic() + 10
         time.sleep(0.2)
     raise LocalServiceError(
-        f"{_sentence(name)} did not answer within {timeout:.0f}s; see {log}, then stop it and "
-        "start again."
+        f"{_sentence(name)} neither answered nor got on for {timeout:.0f}s{_aside(busy_with)}; "
+        f"its log {log} ends with:\n{tail(log)}\nStop it, look into that log, and start it again."
     )
+
+
+def _aside(text: str | None) -> str:
+    return f" ({text})" if text else ""
 
 
 def _sentence(name: str) -> str:

@@ -9,8 +9,11 @@ if this session started them.
 from __future__ import annotations
 
 import uuid
+import warnings
 
 import pytest
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
 
 from onceflow.connectors.topics import create_topic
 from onceflow.local_kafka import LocalKafka
@@ -33,9 +36,29 @@ def pytest_addoption(parser) -> None:
 
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap(onceflow_kafka: str) -> str:
-    """The session's broker: onceflow's pytest plugin chooses it (onceflow/testing.py)."""
-    return onceflow_kafka
+def kafka_bootstrap(onceflow_kafka: str):
+    """The session's broker: onceflow's pytest plugin chooses it (onceflow/testing.py).
+
+    On onceflow's local broker, the topics the session made are deleted at its end: a broker
+    that keeps every run's thousands of partitions takes minutes to start after a crash. A
+    broker of your own (KAFKA_BOOTSTRAP_SERVERS) is left as it is."""
+    if LocalKafka.from_env().bootstrap != onceflow_kafka:
+        yield onceflow_kafka
+        return
+    before = _topics(onceflow_kafka)
+    yield onceflow_kafka
+    made = sorted(_topics(onceflow_kafka) - before)
+    admin = AdminClient({"bootstrap.servers": onceflow_kafka})  # held until every delete ends
+    for topic, deleted in (admin.delete_topics(made) if made else {}).items():
+        try:
+            deleted.result(120)
+        except KafkaException as exc:  # hygiene, not a test: say so and go on
+            warnings.warn(f"could not delete the test topic {topic}: {exc}", stacklevel=1)
+
+
+def _topics(bootstrap: str) -> set[str]:
+    topics = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=30).topics
+    return {name for name in topics if not name.startswith("__")}
 
 
 @pytest.fixture(scope="session")
