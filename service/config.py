@@ -11,7 +11,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,15 @@ class EventTimeConfig:
 
 
 @dataclass(frozen=True)
+class Lookup:
+    """A stream input's column named after a table input: the table's latest entry whose
+    Kafka key equals the stream record's `field`, as of the record's epoch."""
+
+    table: str
+    field: str
+
+
+@dataclass(frozen=True)
 class SourceConfig:
     """One named input. `event_time` is None for an input of `sources:` without one: its
     records get no watermark, and none of them is late."""
@@ -88,6 +97,9 @@ class SourceConfig:
     event_time: EventTimeConfig | None = None
     # Where the fields named in the error messages live: `source`, or `sources.<name>`.
     path: str = "source"
+    lookups: tuple[Lookup, ...] = ()
+    # Looked up by another input: read as a table (latest value per key), with no view.
+    table: bool = False
 
 
 @dataclass(frozen=True)
@@ -434,7 +446,7 @@ def _inputs(top: _Section, raw: dict) -> tuple[SourceConfig, ...]:
                     "input in the query instead",
                 )
         sources.append(source)
-    return tuple(sources)
+    return _tables_resolved(named, sources)
 
 
 def _source(s: _Section, event: _Section | None, name: str = DEFAULT_SOURCE) -> SourceConfig:
@@ -447,7 +459,7 @@ def _source(s: _Section, event: _Section | None, name: str = DEFAULT_SOURCE) -> 
         "max_records_per_batch",
         "fail_on_data_loss",
         "parallelism",
-        *(["event_time"] if s.path != "source" else []),
+        *(["event_time", "lookup"] if s.path != "source" else []),
     )
     topics = s.value("topics", required=True)
     if isinstance(topics, str):
@@ -481,7 +493,64 @@ def _source(s: _Section, event: _Section | None, name: str = DEFAULT_SOURCE) -> 
         name=name,
         event_time=_event_time(event) if event is not None else None,
         path=s.path,
+        lookups=_lookups(s),
     )
+
+
+def _lookups(s: _Section) -> tuple[Lookup, ...]:
+    lookups = []
+    for table, field_name in s.mapping("lookup").items():
+        if not isinstance(field_name, str) or not field_name:
+            raise ConfigError(
+                f"{s.path}.lookup.{table}",
+                "must name this input's field whose value is the table's key, e.g. "
+                "lookup: {persons: seller}",
+            )
+        lookups.append(Lookup(str(table), field_name))
+    return tuple(lookups)
+
+
+def _tables_resolved(named: dict, sources: list[SourceConfig]) -> tuple[SourceConfig, ...]:
+    """Inputs looked up by another are tables: read from the earliest offset unless told
+    otherwise, with no view, no event time and no lookups of their own."""
+    by_name = {source.name: source for source in sources}
+    looked_up: dict[str, str] = {}
+    for source in sources:
+        for lookup in source.lookups:
+            path = f"{source.path}.lookup.{lookup.table}"
+            table = by_name.get(lookup.table)
+            if table is None or table is source:
+                names = sorted(by_name)
+                raise ConfigError(
+                    path, f"names no other input; inputs: {names}{_hint(lookup.table, names)}"
+                )
+            if lookup.table in looked_up:
+                raise ConfigError(
+                    path,
+                    f"table {lookup.table!r} is already looked up by {looked_up[lookup.table]!r}; "
+                    "an input is read once, so a table serves one stream",
+                )
+            looked_up[lookup.table] = source.name
+            if table.lookups:
+                raise ConfigError(f"{table.path}.lookup", "a table looks nothing up itself")
+            if table.event_time is not None:
+                raise ConfigError(
+                    f"{table.path}.event_time",
+                    "a table has no event time: its entries are current as of each epoch",
+                )
+            if table.format == "raw":
+                raise ConfigError(f"{table.path}.format", "a table's entries are json or avro")
+    resolved = []
+    for source in sources:
+        if source.name in looked_up:
+            given = _Section(named[source.name], source.path).value("starting_offsets")
+            source = replace(
+                source,
+                table=True,
+                starting_offsets=source.starting_offsets if given else "earliest",
+            )
+        resolved.append(source)
+    return tuple(resolved)
 
 
 def _event_time(s: _Section) -> EventTimeConfig:
@@ -605,6 +674,7 @@ def _check_fields(config: PipelineConfig) -> None:
                     f"field(s) {taken} clash with the columns onceflow adds to the input's "
                     f"view ({', '.join(VIEW_COLUMNS)}); rename them in the schema",
                 )
+            _check_lookups(config, source)
         return
     source = config.source
     names = config.source_field_names()
@@ -627,6 +697,25 @@ def _check_fields(config: PipelineConfig) -> None:
         if name is not None and name not in known:
             raise ConfigError(
                 path, f"field {name!r} is not in the input schema {names}{_hint(name, names)}"
+            )
+
+
+def _check_lookups(config: PipelineConfig, source: SourceConfig) -> None:
+    """A lookup's field is one of the stream's, and its column (the table's name) is new."""
+    names = config.source_field_names(source)
+    for lookup in source.lookups:
+        path = f"{source.path}.lookup.{lookup.table}"
+        if lookup.field not in names:
+            raise ConfigError(
+                path,
+                f"field {lookup.field!r} is not in the input schema {names}"
+                f"{_hint(lookup.field, names)}",
+            )
+        if lookup.table in names or lookup.table in VIEW_COLUMNS:
+            raise ConfigError(
+                path,
+                f"the view of {source.name!r} has a column {lookup.table!r} already, and the "
+                "looked-up entry would be another; rename the table input",
             )
 
 

@@ -39,6 +39,7 @@ from .config import (
 )
 from .formats import avro_field_types
 from .routing import CORRUPT, EVENT_TIME, HEADER_SOURCE, SOURCE_META, RoutePlan, route
+from .table_lookup import looked_up
 
 log = logging.getLogger("onceflow.pipeline")
 T = TypeVar("T")
@@ -137,6 +138,7 @@ def routed_stream(
         json_schema_ddl=source.schema if source.format == "json" else None,
         registry=config.registry if source.format == "avro-confluent" else None,
         meta=carried,
+        table=source.table,
     )
     meta = [f for f in staged.schema.fields if f.name in carried]
     schema = StructType(
@@ -216,11 +218,17 @@ def sql_result(
     of `sql`.
     """
     assert config.sql is not None
-    for source in config.sources:
+    views = [source for source in config.sources if not source.table]
+    inputs = {source.name: source for source in config.sources}
+    for source in views:
         view = routed_stream(spark, config, source, input_bytes)
         if source.event_time is not None:
             delay = f"{source.event_time.watermark_delay_ms} milliseconds"
             view = view.withWatermark("event_time", delay)
+        for lookup in source.lookups:
+            table = routed_stream(spark, config, inputs[lookup.table], input_bytes)
+            has_event_time = source.event_time is not None
+            view = looked_up(view, table, lookup.table, lookup.field, has_event_time)
         view.createOrReplaceTempView(source.name)
     try:
         result = spark.sql(config.sql)
@@ -228,9 +236,17 @@ def sql_result(
         if plan is not None:
             _check_streaming(result, plan)
     except (AnalysisException, ParseException) as exc:
-        raise ConfigError("sql", f"Spark refuses the query: {str(exc).strip()}") from None
+        message = f"Spark refuses the query: {str(exc).strip()}"
+        for source in views:
+            for lookup in source.lookups:
+                if "TABLE_OR_VIEW_NOT_FOUND" in message and f"`{lookup.table}`" in message:
+                    message += (
+                        f"\n{lookup.table!r} is a table, looked up by {source.name!r}: read it "
+                        f"as the column {source.name}.{lookup.table}"
+                    )
+        raise ConfigError("sql", message) from None
     finally:  # the query keeps its plan; a later run in this session must not find the views
-        for source in config.sources:
+        for source in views:
             spark.catalog.dropTempView(source.name)
     if not result.isStreaming:
         raise ConfigError("sql", "reads none of the inputs: a pipeline's query reads its streams")
@@ -362,7 +378,8 @@ def _input_scans(plan) -> list[str | None] | None:
 def _check_watermarks(config: PipelineConfig, plan) -> None:
     """The watermarks are the inputs' own (`event_time:`): one the query sets itself (SQL's
     WATERMARK clause) would make Spark drop rows the router never routed as late."""
-    found = _spark_internal(lambda: plan.toString().count("EventTimeWatermark"))
+    # A table lookup's UpdateEventTimeWatermarkColumn carries the input's own over.
+    found = _spark_internal(lambda: len(re.findall(r"\bEventTimeWatermark\b", plan.toString())))
     if found is None:
         return
     own = sum(1 for source in config.sources if source.event_time is not None)

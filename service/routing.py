@@ -60,6 +60,8 @@ class RoutePlan:
     registry: RegistrySettings | None = None  # avro-confluent: where writer schemas are
     # Source columns carried through (windows leave `_headers` out, see pipeline.routed_stream).
     meta: tuple[str, ...] = SOURCE_META
+    # A table (see table_lookup): a null value deletes its key, a record needs a key.
+    table: bool = False
 
 
 def route(plan: RoutePlan, input_bytes, batches: Iterator) -> Iterator:
@@ -106,6 +108,21 @@ def route(plan: RoutePlan, input_bytes, batches: Iterator) -> Iterator:
 
 def _decode(plan: RoutePlan, batch) -> tuple[dict, list[str | None]]:
     """Decoded fields as Arrow arrays, and a reason for every record that cannot be decoded."""
+    fields, reasons = _decode_values(plan, batch)
+    if plan.table:  # a deletion has no value to decode; any table record has a key
+        value_nulls = batch.column("_value").is_null().to_pylist()
+        key_nulls = batch.column("_key").is_null().to_pylist()
+        for row in range(batch.num_rows):
+            if key_nulls[row]:
+                reasons[row] = (
+                    "a table's record has no key (a table holds the latest value per key)"
+                )
+            elif value_nulls[row]:
+                reasons[row] = None
+    return fields, reasons
+
+
+def _decode_values(plan: RoutePlan, batch) -> tuple[dict, list[str | None]]:
     if plan.format in AVRO_FORMATS:
         values = batch.column("_value").to_pylist()
         return formats.decode_avro(plan.avro_schema_json, plan.fields, values, plan.registry)

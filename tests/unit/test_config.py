@@ -289,3 +289,82 @@ def test_a_sql_pipeline_keeps_sparks_watermark_for_late_rows():
     conf = {"conf": {"spark.sql.streaming.statefulOperator.allowMultiple": "false"}}
     with pytest.raises(ConfigError, match="allowMultiple: must stay true"):
         parse(join_with(spark=conf))
+
+
+def lookup_with(**changes) -> dict:
+    """auctions looks up persons (a table): persons keyed by id, auctions by seller."""
+    sources = {
+        "persons": {"topics": ["persons"], "schema": "id LONG, name STRING"},
+        "auctions": {
+            "topics": ["auctions"],
+            "schema": "id LONG, seller LONG",
+            "lookup": {"persons": "seller"},
+        },
+    }
+    for name, block in changes.items():
+        sources[name] = {**sources[name], **block}
+        sources[name] = {k: v for k, v in sources[name].items() if v is not None}
+    return join_with(sources=sources, sql="SELECT id, persons.name FROM auctions")
+
+
+def test_an_input_another_looks_up_is_a_table_read_from_the_earliest_offset():
+    persons, auctions = parse(lookup_with()).sources
+    assert (persons.table, persons.starting_offsets, persons.lookups) == (True, "earliest", ())
+    assert (auctions.table, auctions.starting_offsets) == (False, "latest")
+    assert [(x.table, x.field) for x in auctions.lookups] == [("persons", "seller")]
+    given = parse(lookup_with(persons={"starting_offsets": "latest"})).sources[0]
+    assert given.starting_offsets == "latest"
+
+
+@pytest.mark.parametrize(
+    ("changes", "path", "words"),
+    [
+        (
+            {"auctions": {"lookup": {"people": "seller"}}},
+            "sources.auctions.lookup.people",
+            "persons",
+        ),
+        (
+            {"auctions": {"lookup": {"auctions": "seller"}}},
+            "sources.auctions.lookup.auctions",
+            "no other",
+        ),
+        (
+            {"auctions": {"lookup": {"persons": "buyer"}}},
+            "sources.auctions.lookup.persons",
+            "'buyer'",
+        ),
+        ({"auctions": {"lookup": {"persons": 3}}}, "sources.auctions.lookup.persons", "must name"),
+        (
+            {"persons": {"event_time": {"field": "id"}}},
+            "sources.persons.event_time",
+            "a table has no event time",
+        ),
+        ({"persons": {"format": "raw", "schema": None}}, "sources.persons.format", "json or avro"),
+        (
+            {"persons": {"lookup": {"auctions": "id"}}},  # each the other's table
+            "sources.auctions.lookup",
+            "looks nothing up",
+        ),
+        (
+            {"auctions": {"schema": "id LONG, seller LONG, persons STRING"}},
+            "sources.auctions.lookup.persons",
+            "has a column 'persons' already",
+        ),
+    ],
+)
+def test_lookup_errors_name_their_field(changes, path, words):
+    with pytest.raises(ConfigError) as caught:
+        parse(lookup_with(**changes))
+    assert caught.value.path == path and words in str(caught.value), str(caught.value)
+
+
+def test_a_table_serves_one_stream():
+    raw = lookup_with()
+    raw["sources"]["bids"] = {
+        "topics": ["bids"],
+        "schema": "auction LONG, bidder LONG",
+        "lookup": {"persons": "bidder"},
+    }
+    with pytest.raises(ConfigError, match="already looked up by 'auctions'"):
+        parse(raw)
