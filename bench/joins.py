@@ -1,6 +1,6 @@
-"""Nexmark Q8's join, side by side with peers: people and the auctions they open.
+"""Nexmark Q8's and Q3's joins, side by side with peers: people and the auctions they open.
 
-    make bench-joins   # = .venv/bin/python -m bench.joins [--people 100000]
+    make bench-joins   # = .venv/bin/python -m bench.joins [--people 100000] [--query q3]
 
 Q8 asks for the people who opened an auction within 10 s of joining. Here it is the
 stream-stream interval join that each system can express: every auction with its seller's
@@ -14,7 +14,15 @@ Each drains the same preloaded backlog in a process of its own, and its output t
 read with read_committed and compared, as a multiset of (seller, auction) pairs, with the
 join computed here from the records themselves: a system that loses or doubles a pair is
 reported, not ranked. Throughput is input records / processing seconds, as in bench/run.py.
-Writes bench/results/joins.json and joins.md.
+Writes bench/results/joins.json and joins.md (Q8), joins-q3.json and joins-q3.md (Q3).
+
+Q3 asks which auctions of category 10 are sold by people in Oregon, Idaho or California: an
+auction joined with its seller's person record, which came before it. Each system expresses
+it as it best can:
+- onceflow: persons as a table the auctions look up (`lookup:`, Q3_SQL);
+- Spark's JVM connector: a stream-stream inner join without watermarks (the same join; both
+  sides' state kept for ever, as Nexmark's Q3 is defined);
+- Quix Streams: `join_asof`, each auction with its seller's latest record at or before it.
 """
 
 from __future__ import annotations
@@ -46,6 +54,16 @@ SELLER_BACK = 4_000  # a seller is one of the 4,000 newest people: 20 s back, ha
 PER_BATCH = 50_000  # records per input per epoch (onceflow, Spark)
 PERSON_SCHEMA = "id LONG, name STRING, dateTime LONG"
 AUCTION_SCHEMA = "id LONG, seller LONG, reserve LONG, dateTime LONG"
+STATES = ("AZ", "CA", "ID", "OR", "WA", "WY")  # Nexmark's US states
+Q3_STATES = ("OR", "ID", "CA")
+Q3_CATEGORY = 10  # of 10-14
+Q3_PERSON_SCHEMA = "id LONG, name STRING, state STRING, dateTime LONG"
+Q3_AUCTION_SCHEMA = "id LONG, seller LONG, category LONG, reserve LONG, dateTime LONG"
+Q3_SQL = f"""
+SELECT seller, persons.name AS name, persons.state AS state, id AS auction
+FROM auctions
+WHERE category = {Q3_CATEGORY} AND persons.state IN {Q3_STATES}
+"""
 SQL_JOIN = f"""
 SELECT a.seller, p.name, a.id AS auction
 FROM persons p JOIN auctions a
@@ -74,6 +92,26 @@ def people_and_auctions(people: int, first_ms: int, seed: int = 8) -> tuple[list
             }
         )
     return persons, auctions
+
+
+def with_states_and_categories(persons: list[dict], auctions: list[dict], seed: int = 3) -> None:
+    """Q3's fields: a state per person, a category (10-14) per auction, as Nexmark draws them."""
+    rng = random.Random(seed)
+    for person in persons:
+        person["state"] = rng.choice(STATES)
+    for auction in auctions:
+        auction["category"] = 10 + rng.randrange(5)
+
+
+def expected_q3_pairs(persons: list[dict], auctions: list[dict]) -> Counter:
+    """Q3 computed from the records: (seller, auction) for each auction of the category whose
+    seller lives in one of the states."""
+    state = {p["id"]: p["state"] for p in persons}
+    return Counter(
+        (a["seller"], a["id"])
+        for a in auctions
+        if a["category"] == Q3_CATEGORY and state[a["seller"]] in Q3_STATES
+    )
 
 
 def expected_pairs(persons: list[dict], auctions: list[dict]) -> Counter:
@@ -116,6 +154,32 @@ def preload(bootstrap: str, topic: str, records: list[dict], key: str) -> None:
                 producer.poll(0.05)
     if producer.flush(300) or failed:
         raise RuntimeError(f"preloading {topic}: {len(failed)} records failed ({failed[:1]})")
+
+
+def q3_pipeline(bootstrap: str, topics: dict[str, str], sink: str, checkpoint: str) -> dict:
+    """Q3 as onceflow runs it: the auctions look up their seller in the persons table."""
+    sources = {
+        "persons": {"topics": [topics["persons"]], "schema": Q3_PERSON_SCHEMA},
+        "auctions": {
+            "topics": [topics["auctions"]],
+            "starting_offsets": "earliest",
+            "schema": Q3_AUCTION_SCHEMA,
+            "lookup": {"persons": "seller"},
+        },
+    }
+    for source in sources.values():
+        source["max_records_per_batch"] = PER_BATCH
+    return {
+        "app_id": f"bench-q3-{sink}",
+        "kafka": {"bootstrap_servers": bootstrap},
+        "sources": sources,
+        "sql": Q3_SQL,
+        "key": "seller",
+        "sink": {"topic": sink},
+        "checkpoint": {"location": checkpoint, "interval": "1s"},
+        "spark": {"master": "local[2]"},
+        "metrics": {"port": 0},
+    }
 
 
 def pipeline(bootstrap: str, topics: dict[str, str], sink: str, checkpoint: str) -> dict:
@@ -163,26 +227,34 @@ def compared(expected: Counter, got: Counter) -> dict:
 
 
 class JoinBench:
-    def __init__(self, bootstrap: str, work: Path, people: int) -> None:
-        self.bootstrap, self.work = bootstrap, work
+    def __init__(self, bootstrap: str, work: Path, people: int, query: str) -> None:
+        self.bootstrap, self.work, self.query = bootstrap, work, query
         # The data ends now: a broker deletes records its retention thinks are old.
         first_ms = int(time.time() * 1000) - PERSON_EVERY_MS * people
         self.persons, self.auctions = people_and_auctions(people, first_ms)
+        if query == "q3":
+            with_states_and_categories(self.persons, self.auctions)
         self.topics = {"persons": self.topic("persons"), "auctions": self.topic("auctions")}
         self.records = len(self.persons) + len(self.auctions)
 
+    def expected(self) -> Counter:
+        if self.query == "q3":
+            return expected_q3_pairs(self.persons, self.auctions)
+        return expected_pairs(self.persons, self.auctions)
+
     def topic(self, name: str) -> str:
-        topic = f"bench-q8-{name}-{uuid.uuid4().hex[:6]}"
+        topic = f"bench-{self.query}-{name}-{uuid.uuid4().hex[:6]}"
         create_topic(self.bootstrap, topic, PARTITIONS)
         return topic
 
     def onceflow(self, sink: str) -> tuple[dict, Measured]:
-        path = self.work / f"q8-onceflow-{sink}.yaml"
-        config = pipeline(self.bootstrap, self.topics, sink, str(self.work / f"ck-{sink}"))
+        path = self.work / f"{self.query}-onceflow-{sink}.yaml"
+        make = q3_pipeline if self.query == "q3" else pipeline
+        config = make(self.bootstrap, self.topics, sink, str(self.work / f"ck-{sink}"))
         path.write_text(yaml.safe_dump(config))
         run = Measured(
             [sys.executable, "-m", "onceflow.cli", "run", str(path), "--available-now"],
-            self.work / f"q8-onceflow-{sink}.log",
+            self.work / f"{self.query}-onceflow-{sink}.log",
         )
         return onceflow_processing(run.wait()), run
 
@@ -192,11 +264,11 @@ class JoinBench:
                 sys.executable,
                 "-m",
                 "bench.spark_kafka",
-                *("--query", "q8", "--bootstrap", self.bootstrap),
+                *("--query", self.query, "--bootstrap", self.bootstrap),
                 *("--source", f"{self.topics['persons']},{self.topics['auctions']}"),
                 *("--sink", sink, "--checkpoint", str(self.work / f"spark-ck-{sink}")),
             ],
-            self.work / f"q8-spark-{sink}.log",
+            self.work / f"{self.query}-spark-{sink}.log",
         )
         return _last_json(run.wait()), run
 
@@ -205,12 +277,12 @@ class JoinBench:
             [
                 str(QUIX_VENV / "bin" / "python"),
                 "bench/quix_app.py",
-                *("--query", "q8", "--bootstrap", self.bootstrap),
+                *("--query", self.query, "--bootstrap", self.bootstrap),
                 *("--source", f"{self.topics['persons']},{self.topics['auctions']}"),
                 *("--sink", sink, "--records", str(self.records)),
                 *("--state-dir", str(self.work / f"quix-{sink}")),
             ],
-            self.work / f"q8-quix-{sink}.log",
+            self.work / f"{self.query}-quix-{sink}.log",
         )
         return _last_json(run.wait()), run
 
@@ -223,15 +295,28 @@ SYSTEMS = {
 
 
 def report(results: dict) -> str:
+    if results.get("query") == "q3":
+        title = "Nexmark Q3's join"
+        join = (
+            f"an auction of category {Q3_CATEGORY} with its seller, who lives in "
+            f"{', '.join(Q3_STATES)}"
+        )
+        how = (
+            " onceflow looks the seller up in the persons table (`lookup:`), Spark joins two "
+            "streams without watermarks, Quix Streams uses `join_asof`."
+        )
+    else:
+        title = "Nexmark Q8's join"
+        join = f"an auction with its seller, opened within {BOUND_S} s after the seller joined"
+        how = ""
     lines = [
-        f"# Nexmark Q8's join ({results['machine']}, {results['date']})",
+        f"# {title} ({results['machine']}, {results['date']})",
         "",
         f"{results['persons']:,} people and {results['auctions']:,} auctions over "
-        f"{PARTITIONS} partitions each, keyed by person id and seller; the join (an auction "
-        f"with its seller, opened within {BOUND_S} s after the seller joined) has "
+        f"{PARTITIONS} partitions each, keyed by person id and seller; the join ({join}) has "
         f"{results['expected_pairs']:,} pairs. Each system drains the whole backlog; its "
         "output is read with read_committed and compared with the join computed from the "
-        "records. `python -m bench.joins`.",
+        f"records. `python -m bench.joins --query {results.get('query', 'q8')}`.{how}",
         "",
         "| system | records/s | processing (s) | drain (s) | peak RSS (MB) | pairs | "
         "missing | published twice | exact |",
@@ -259,6 +344,7 @@ def report(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--people", type=int, default=100_000)
+    parser.add_argument("--query", choices=("q8", "q3"), default="q8")
     parser.add_argument("--only", help="comma-separated systems (onceflow, quix, spark)")
     args = parser.parse_args()
     chosen = [
@@ -273,8 +359,8 @@ def main() -> None:
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or LocalKafka.from_env().start()
     work = Path("/tmp") / f"onceflow-joins-{uuid.uuid4().hex[:6]}"
     work.mkdir(parents=True)
-    bench = JoinBench(bootstrap, work, args.people)
-    expected = expected_pairs(bench.persons, bench.auctions)
+    bench = JoinBench(bootstrap, work, args.people, args.query)
+    expected = bench.expected()
     print(
         f"preloading {len(bench.persons):,} people and {len(bench.auctions):,} auctions "
         f"(the join: {sum(expected.values()):,} pairs) ...",
@@ -305,6 +391,7 @@ def main() -> None:
         print(f"  {json.dumps(row)}", flush=True)
         rows.append(row)
     results = {
+        "query": args.query,
         "date": datetime.now().strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python "
         f"{platform.python_version()}",
@@ -317,8 +404,9 @@ def main() -> None:
         print(json.dumps(results, indent=2))
         return
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "joins.json").write_text(json.dumps(results, indent=2) + "\n")
-    (RESULTS / "joins.md").write_text(report(results))
+    name = "joins" if args.query == "q8" else f"joins-{args.query}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(report(results))
     print(report(results))
 
 

@@ -20,6 +20,7 @@ import uuid
 from quixstreams import Application
 
 BOUND_S = 10  # bench/joins.py's (this process imports nothing of onceflow's)
+Q3_CATEGORY, Q3_STATES = 10, ("OR", "ID", "CA")  # bench/joins.py's too
 
 
 def main() -> None:
@@ -48,6 +49,8 @@ def main() -> None:
 
     if args.query == "q8":
         sdf = _q8(app, args.source, count)
+    elif args.query == "q3":
+        sdf = _q3(app, args.source, count)
     else:
         sdf = _bids(app, app.dataframe(_topic(app, args.source)), args.query, count)
     sdf.to_topic(sink)
@@ -77,6 +80,25 @@ def _q8(app: Application, topics: str, count):
         backward_ms=BOUND_S * 1000,
     )
     return joined
+
+
+def _q3(app: Application, topics: str, count):
+    """bench/joins.py's Q3: each auction of the category with its seller's latest person
+    record at or before it (`join_asof`), kept when the seller lives in one of the states.
+    `topics`: people's, a comma, auctions'."""
+    persons, auctions = (app.dataframe(_topic(app, t)).update(count) for t in topics.split(","))
+    auctions = auctions.filter(lambda a: a["category"] == Q3_CATEGORY)
+    joined = auctions.join_asof(
+        persons,
+        how="inner",
+        on_merge=lambda a, p: {
+            "seller": a["seller"],
+            "name": p["name"],
+            "state": p["state"],
+            "auction": a["id"],
+        },
+    )
+    return joined.filter(lambda row: row["state"] in Q3_STATES)
 
 
 def _bids(app: Application, sdf, query: str, count):

@@ -116,6 +116,29 @@ def q8(spark, bootstrap: str, source: str):
     return result.select(F.col("seller").cast("string").alias("key"), value.alias("value"))
 
 
+def q3(spark, bootstrap: str, source: str):
+    """bench/joins.py's Q3 as Spark streams express it: a stream-stream inner join without
+    watermarks (each side kept in state for ever). `source`: people's topic, auctions'."""
+    from pyspark.sql import functions as F
+
+    from bench import joins
+
+    persons_topic, auctions_topic = source.split(",")
+    persons = _read(spark, bootstrap, persons_topic, joins.Q3_PERSON_SCHEMA, joins.PER_BATCH)
+    auctions = _read(spark, bootstrap, auctions_topic, joins.Q3_AUCTION_SCHEMA, joins.PER_BATCH)
+    persons.createOrReplaceTempView("persons")
+    auctions.createOrReplaceTempView("auctions")
+    result = spark.sql(
+        f"""
+        SELECT a.seller, p.name, p.state, a.id AS auction
+        FROM auctions a JOIN persons p ON a.seller = p.id
+        WHERE a.category = {joins.Q3_CATEGORY} AND p.state IN {joins.Q3_STATES}
+        """
+    )
+    value = F.to_json(F.struct("seller", "name", "state", "auction"))
+    return result.select(F.col("seller").cast("string").alias("key"), value.alias("value"))
+
+
 def build_query(spark, query: str, bootstrap: str, source: str):
     from pyspark.sql import functions as F
 
@@ -123,6 +146,8 @@ def build_query(spark, query: str, bootstrap: str, source: str):
 
     if query == "q8":
         return q8(spark, bootstrap, source)
+    if query == "q3":
+        return q3(spark, bootstrap, source)
     bids = _read(spark, bootstrap, source, BID_SCHEMA, EPOCH_RECORDS)
     if query == "q1":
         value = F.to_json(

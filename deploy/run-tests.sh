@@ -40,6 +40,8 @@ trap stop_services EXIT
 if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
   if ! "$onceflow" kafka status >/dev/null 2>&1; then
     started_broker=1
+    # the tests may delete the topics they made on it (tests/conftest.py)
+    export ONCEFLOW_TESTS_OWN_BROKER=1
   fi
   "$onceflow" kafka start || { echo "run-tests: could not start the local Kafka broker (see above)" >&2; exit 1; }
 fi

@@ -540,6 +540,12 @@ def _tables_resolved(named: dict, sources: list[SourceConfig]) -> tuple[SourceCo
                 )
             if table.format == "raw":
                 raise ConfigError(f"{table.path}.format", "a table's entries are json or avro")
+            if len(table.topics) > 1:
+                raise ConfigError(
+                    f"{table.path}.topics",
+                    "a table reads one topic: the latest value of a key is the last in its "
+                    "partition, and two topics have no order between them",
+                )
     resolved = []
     for source in sources:
         if source.name in looked_up:
@@ -711,7 +717,8 @@ def _check_lookups(config: PipelineConfig, source: SourceConfig) -> None:
                 f"field {lookup.field!r} is not in the input schema {names}"
                 f"{_hint(lookup.field, names)}",
             )
-        if lookup.table in names or lookup.table in VIEW_COLUMNS:
+        taken = {name.lower() for name in [*names, *VIEW_COLUMNS]}  # Spark ignores case
+        if lookup.table.lower() in taken:
             raise ConfigError(
                 path,
                 f"the view of {source.name!r} has a column {lookup.table!r} already, and the "

@@ -461,7 +461,10 @@ def partition_logs_loaded(log: Path) -> Callable[[], str | None]:
     """How far a starting broker is in loading its partitions' logs, from what its log gains
     from now on: a broker with thousands of partitions, after a crash, loads (and recovers)
     them for minutes before it answers."""
-    position = log.stat().st_size if log.exists() else 0
+    try:
+        position = log.stat().st_size
+    except OSError:  # no log yet
+        position = 0
     loaded: str | None = None
 
     def news() -> str | None:

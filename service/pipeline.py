@@ -39,7 +39,7 @@ from .config import (
 )
 from .formats import avro_field_types
 from .routing import CORRUPT, EVENT_TIME, HEADER_SOURCE, SOURCE_META, RoutePlan, route
-from .table_lookup import looked_up
+from .table_lookup import can_look_up_by, looked_up
 
 log = logging.getLogger("onceflow.pipeline")
 T = TypeVar("T")
@@ -226,6 +226,14 @@ def sql_result(
             delay = f"{source.event_time.watermark_delay_ms} milliseconds"
             view = view.withWatermark("event_time", delay)
         for lookup in source.lookups:
+            key_type = view.schema[lookup.field].dataType
+            if not can_look_up_by(key_type):
+                raise ConfigError(
+                    f"{source.path}.lookup.{lookup.table}",
+                    f"field {lookup.field!r} is {key_type.simpleString()}; a table is looked "
+                    "up by a string or integral field (its text is the table's key), so cast "
+                    "it in the schema",
+                )
             table = routed_stream(spark, config, inputs[lookup.table], input_bytes)
             has_event_time = source.event_time is not None
             view = looked_up(view, table, lookup.table, lookup.field, has_event_time)

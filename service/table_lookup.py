@@ -3,7 +3,9 @@
 A table is an input of `sources:` that another input looks up (`lookup: {persons: seller}`):
 a topic read as the latest value per Kafka key, a record with a null value deleting its key
 (a compacted topic, Kafka Streams' KTable). The stream's view gains a column named after the
-table: the entry whose key equals the stream record's field (as a string), or null.
+table: the entry whose key equals the stream record's field written as text (a string or an
+integral field; `42` finds the key `42`), or null. Keys are compared as bytes, so a key that is
+not text (a serialized long, say) is kept but found by no stream record.
 
 "As of its epoch": in every epoch the table's records are applied first, in offset order,
 then the stream's records are joined. Both inputs' ranges are fixed in the offset log before
@@ -17,14 +19,27 @@ only state is the table, one entry per key, in the RocksDB state store.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC
 
 from pyspark.sql import DataFrame, Row
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
-from pyspark.sql.types import StructField, StructType
+from pyspark.sql.types import (
+    ByteType,
+    DataType,
+    IntegerType,
+    LongType,
+    ShortType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
 
 from .config import VIEW_COLUMNS
 
+# Stream fields that are written as text one way only (a DOUBLE 1.0 would be "1.0").
+KEY_TYPES = (StringType, ByteType, ShortType, IntegerType, LongType)
 KEY = "_lookup_key"
 NO_KEY = "_lookup_key_missing"  # a stream record whose field is null joins nothing
 IS_TABLE = "_lookup_is_table"
@@ -62,9 +77,9 @@ class LatestEntry(StatefulProcessor):
         if not stream:
             return
         entry = None
-        if not key[0] and self.entry.exists():  # key[0]: the stream's field is null
-            names = self.entry_schema.fieldNames()
-            entry = Row(**dict(zip(names, self.entry.get(), strict=True)))
+        stored = None if key[0] else self.entry.get()  # key[0]: the stream's field is null
+        if stored is not None:
+            entry = _as_row(self.entry_schema, stored)
         for row in stream:
             values = {name: row[name] for name in self.stream_columns}
             yield Row(**values, **{self.column: entry})
@@ -73,15 +88,33 @@ class LatestEntry(StatefulProcessor):
         pass
 
 
+def _as_row(schema: StructType, values) -> Row:
+    """A stored entry as the Row the output takes. The state store hands timestamps back as
+    naive datetimes in the worker's local time, which the output would read as UTC: they
+    are made aware again."""
+    fields = {}
+    for field, value in zip(schema.fields, values, strict=True):
+        if isinstance(field.dataType, TimestampType) and value is not None:
+            value = value.astimezone(UTC)  # a naive datetime is local time
+        elif isinstance(field.dataType, StructType) and value is not None:
+            value = _as_row(field.dataType, value)
+        fields[field.name] = value
+    return Row(**fields)
+
+
 def _position(row: Row) -> tuple:
     return tuple(row[name] for name in POSITION)
+
+
+def can_look_up_by(data_type: DataType) -> bool:
+    return isinstance(data_type, KEY_TYPES)
 
 
 def looked_up(
     stream: DataFrame, table: DataFrame, column: str, field: str, event_time: bool
 ) -> DataFrame:
     """`stream` with a column `column`: `table`'s latest entry whose Kafka key equals the
-    stream record's `field` (compared as strings), as of the record's epoch; null if none.
+    stream record's `field` as UTF-8 text, as of the record's epoch; null if none.
 
     `stream` and `table` are routed inputs (decoded fields, `event_time`, the Kafka
     record's columns); with `event_time`, the stream's watermark carries over to the result.
@@ -91,7 +124,9 @@ def looked_up(
     nothing = {f.name: F.lit(None).cast(f.dataType) for f in stream_fields}
     no_entry = {ENTRY + f.name: F.lit(None).cast(f.dataType) for f in entry.fields}
     stream_side = stream.select(
-        F.coalesce(F.col(field).cast("string"), F.lit("")).alias(KEY),
+        F.coalesce(F.encode(F.col(field).cast("string"), "UTF-8"), F.lit("").cast("binary")).alias(
+            KEY
+        ),
         F.col(field).isNull().alias(NO_KEY),
         F.lit(False).alias(IS_TABLE),
         F.lit(False).alias(DELETED),
@@ -102,7 +137,7 @@ def looked_up(
         *[value.alias(name) for name, value in no_entry.items()],
     )
     table_side = table.select(
-        F.col("_key").cast("string").alias(KEY),
+        F.col("_key").alias(KEY),  # bytes: a key that is not UTF-8 must not fail the task
         F.lit(False).alias(NO_KEY),
         F.lit(True).alias(IS_TABLE),
         F.col("_value").isNull().alias(DELETED),

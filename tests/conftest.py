@@ -8,15 +8,16 @@ if this session started them.
 
 from __future__ import annotations
 
+import os
 import uuid
 import warnings
 
 import pytest
-from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from onceflow.connectors.topics import create_topic
 from onceflow.local_kafka import LocalKafka
+from onceflow.local_process import LocalServiceError
 
 
 def pytest_addoption(parser) -> None:
@@ -35,25 +36,44 @@ def pytest_addoption(parser) -> None:
     )
 
 
+def pytest_configure(config) -> None:
+    config.onceflow_broker_is_the_tests = _broker_is_the_tests()
+
+
+def _broker_is_the_tests() -> bool:
+    """Whether onceflow's local broker serves these tests alone: not a broker of your own
+    (KAFKA_BOOTSTRAP_SERVERS), and started for them (by deploy/run-tests.sh, or by this
+    session) rather than found running, perhaps with your pipelines on it."""
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        return False
+    if os.environ.get("ONCEFLOW_TESTS_OWN_BROKER") == "1":
+        return True
+    try:
+        return LocalKafka.from_env().pid() is None
+    except LocalServiceError:  # no local broker on this platform
+        return False
+
+
 @pytest.fixture(scope="session")
-def kafka_bootstrap(onceflow_kafka: str):
+def kafka_bootstrap(onceflow_kafka: str, pytestconfig):
     """The session's broker: onceflow's pytest plugin chooses it (onceflow/testing.py).
 
-    On onceflow's local broker, the topics the session made are deleted at its end: a broker
-    that keeps every run's thousands of partitions takes minutes to start after a crash. A
-    broker of your own (KAFKA_BOOTSTRAP_SERVERS) is left as it is."""
-    if LocalKafka.from_env().bootstrap != onceflow_kafka:
+    On a local broker started for the tests, the topics the session made are deleted at its
+    end: a broker that keeps every run's thousands of partitions takes minutes to start after
+    a crash. A broker found running, or your own, is left as it is."""
+    ours = pytestconfig.onceflow_broker_is_the_tests
+    if not ours or LocalKafka.from_env().bootstrap != onceflow_kafka:
         yield onceflow_kafka
         return
     before = _topics(onceflow_kafka)
     yield onceflow_kafka
-    made = sorted(_topics(onceflow_kafka) - before)
-    admin = AdminClient({"bootstrap.servers": onceflow_kafka})  # held until every delete ends
-    for topic, deleted in (admin.delete_topics(made) if made else {}).items():
-        try:
+    try:  # hygiene, not a test: a failure is said and the session goes on
+        made = sorted(_topics(onceflow_kafka) - before)
+        admin = AdminClient({"bootstrap.servers": onceflow_kafka})  # held until all end
+        for deleted in (admin.delete_topics(made) if made else {}).values():
             deleted.result(120)
-        except KafkaException as exc:  # hygiene, not a test: say so and go on
-            warnings.warn(f"could not delete the test topic {topic}: {exc}", stacklevel=1)
+    except Exception as exc:
+        warnings.warn(f"could not delete the session's test topics: {exc!r}", stacklevel=1)
 
 
 def _topics(bootstrap: str) -> set[str]:

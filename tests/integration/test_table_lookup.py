@@ -76,8 +76,10 @@ def test_each_stream_record_gets_the_tables_latest_entry_for_its_key_or_null(onc
         ("3", None),  # a null value deletes key 3
         (None, json.dumps({"id": 9, "name": "keyless"})),  # a table record needs a key
         ("5", "{not json"),
+        (b"\x00\x00\x00\xc8", json.dumps({"id": 200, "name": "long-key"})),  # not text
     ]
     auctions = [auction(10, 1), auction(11, 2), auction(12, 3), auction(13, 4), auction(14, None)]
+    auctions.append(auction(15, 200))  # the key 200 as text: not the serialized long above
     published = onceflow_run(lookup_pipeline(), {"persons": persons, "auctions": auctions})
     table = {"1": persons[0][1], "2": persons[2][1]}
     expected = [joined(a, table.get(str(a["seller"]))) for a in auctions]
@@ -162,6 +164,12 @@ def test_validate_accepts_the_example_and_points_a_query_of_the_table_to_its_col
     file.write_text(yaml.safe_dump(raw))
     assert cli.main(["validate", str(file)]) == 2
     assert "read it as the column auctions.persons" in capsys.readouterr().err
+    raw = yaml.safe_load(example.read_text())
+    raw["sources"]["auctions"]["schema"] = "id LONG, seller DOUBLE, category LONG, dateTime LONG"
+    file.write_text(yaml.safe_dump(raw))
+    assert cli.main(["validate", str(file)]) == 2
+    error = capsys.readouterr().err
+    assert "sources.auctions.lookup.persons: field 'seller' is double" in error, error
 
 
 def test_a_window_over_looked_up_records_keeps_the_streams_watermark(onceflow_run):

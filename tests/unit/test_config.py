@@ -347,10 +347,11 @@ def test_an_input_another_looks_up_is_a_table_read_from_the_earliest_offset():
             "looks nothing up",
         ),
         (
-            {"auctions": {"schema": "id LONG, seller LONG, persons STRING"}},
+            {"auctions": {"schema": "id LONG, seller LONG, Persons STRING"}},  # Spark: one name
             "sources.auctions.lookup.persons",
             "has a column 'persons' already",
         ),
+        ({"persons": {"topics": ["a", "b"]}}, "sources.persons.topics", "a table reads one topic"),
     ],
 )
 def test_lookup_errors_name_their_field(changes, path, words):
