@@ -123,10 +123,9 @@ def looked_up(
     stream_fields = list(stream.schema.fields)
     nothing = {f.name: F.lit(None).cast(f.dataType) for f in stream_fields}
     no_entry = {ENTRY + f.name: F.lit(None).cast(f.dataType) for f in entry.fields}
+    text = F.encode(F.col(field).cast("string"), "UTF-8")
     stream_side = stream.select(
-        F.coalesce(F.encode(F.col(field).cast("string"), "UTF-8"), F.lit("").cast("binary")).alias(
-            KEY
-        ),
+        F.coalesce(text, F.lit("").cast("binary")).alias(KEY),
         F.col(field).isNull().alias(NO_KEY),
         F.lit(False).alias(IS_TABLE),
         F.lit(False).alias(DELETED),
@@ -137,7 +136,7 @@ def looked_up(
         *[value.alias(name) for name, value in no_entry.items()],
     )
     table_side = table.select(
-        F.col("_key").alias(KEY),  # bytes: a key that is not UTF-8 must not fail the task
+        F.col("_key").alias(KEY),  # bytes as they are: a key that is not text is not mangled
         F.lit(False).alias(NO_KEY),
         F.lit(True).alias(IS_TABLE),
         F.col("_value").isNull().alias(DELETED),

@@ -204,3 +204,29 @@ def test_a_window_over_looked_up_records_keeps_the_streams_watermark(onceflow_ru
     ]
     assert_published(published.results, expected, key="state")
     assert published.late == [auctions[-5]]
+
+
+def test_a_stream_looks_up_two_tables(onceflow_run):
+    pipeline = lookup_pipeline(
+        "SELECT id, persons.name AS name, categories.title AS category FROM auctions",
+        schema="id LONG, seller LONG, reserve LONG, category INT",
+        lookup={"persons": "seller", "categories": "category"},
+    )
+    pipeline.pop("key")  # records without a key
+    pipeline["sources"]["categories"] = {"topics": ["categories"], "schema": "title STRING"}
+    persons = [person(1, "ann"), person(2, "bob")]
+    categories = [("10", {"title": "books"}), ("11", {"title": "toys"}), ("11", None)]
+    auctions = [
+        {"id": 1, "seller": 1, "reserve": 5, "category": 10},
+        {"id": 2, "seller": 2, "reserve": 5, "category": 11},
+        {"id": 3, "seller": 3, "reserve": 5, "category": 10},
+    ]
+    published = onceflow_run(
+        pipeline, {"persons": persons, "categories": categories, "auctions": auctions}
+    )
+    expected = [
+        {"id": 1, "name": "ann", "category": "books"},
+        {"id": 2, "name": "bob"},  # category 11 deleted
+        {"id": 3, "category": "books"},  # seller 3 never in the table
+    ]
+    assert_published(published.results, expected, key=lambda r: r["id"])
