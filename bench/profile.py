@@ -26,6 +26,7 @@ ROLES = [  # (role, a file on the stack that marks it), first match wins
     ("sink phase 2: the epoch's Kafka transaction", "publisher.py"),
     ("sink phase 1: Arrow -> commit message", "connectors/sink.py"),
     ("router: late/dead-letter split (mapInArrow)", "routing.py"),
+    ("table lookup: transformWithState", "table_lookup.py"),
     ("source: Kafka -> Arrow", "connectors/source.py"),
     ("Spark's Python workers: serialization, IPC", "pyspark/"),
 ]
