@@ -220,20 +220,23 @@ def sql_result(
     assert config.sql is not None
     views = [source for source in config.sources if not source.table]
     inputs = {source.name: source for source in config.sources}
-    for source in views:
-        view = routed_stream(spark, config, source, input_bytes)
-        if source.event_time is not None:
-            delay = f"{source.event_time.watermark_delay_ms} milliseconds"
-            view = view.withWatermark("event_time", delay)
+    routed = {source.name: routed_stream(spark, config, source, input_bytes) for source in views}
+    for source in views:  # before any view exists: a refusal leaves none behind
         for lookup in source.lookups:
-            key_type = view.schema[lookup.field].dataType
+            key_type = routed[source.name].schema[lookup.field].dataType
             if not can_look_up_by(key_type):
                 raise ConfigError(
                     f"{source.path}.lookup.{lookup.table}",
                     f"field {lookup.field!r} is {key_type.simpleString()}; a table is looked "
-                    "up by a string or integral field (its text is the table's key), so cast "
-                    "it in the schema",
+                    "up by a field whose text is the key (a string, an integral number, a "
+                    "whole decimal, a boolean or a date), so cast it in the schema",
                 )
+    for source in views:
+        view = routed[source.name]
+        if source.event_time is not None:
+            delay = f"{source.event_time.watermark_delay_ms} milliseconds"
+            view = view.withWatermark("event_time", delay)
+        for lookup in source.lookups:
             table = routed_stream(spark, config, inputs[lookup.table], input_bytes)
             has_event_time = source.event_time is not None
             view = looked_up(view, table, lookup.table, lookup.field, has_event_time)

@@ -25,10 +25,15 @@ from pyspark.sql import DataFrame, Row
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
 from pyspark.sql.types import (
+    ArrayType,
+    BooleanType,
     ByteType,
     DataType,
+    DateType,
+    DecimalType,
     IntegerType,
     LongType,
+    MapType,
     ShortType,
     StringType,
     StructField,
@@ -38,8 +43,9 @@ from pyspark.sql.types import (
 
 from .config import VIEW_COLUMNS
 
-# Stream fields that are written as text one way only (a DOUBLE 1.0 would be "1.0").
-KEY_TYPES = (StringType, ByteType, ShortType, IntegerType, LongType)
+# Stream fields that are written as text one way only (a DOUBLE 1.0 would be "1.0"; a
+# DECIMAL with a scale "1.00").
+KEY_TYPES = (StringType, ByteType, ShortType, IntegerType, LongType, BooleanType, DateType)
 KEY = "_lookup_key"
 NO_KEY = "_lookup_key_missing"  # a stream record whose field is null joins nothing
 IS_TABLE = "_lookup_is_table"
@@ -89,17 +95,28 @@ class LatestEntry(StatefulProcessor):
 
 
 def _as_row(schema: StructType, values) -> Row:
-    """A stored entry as the Row the output takes. The state store hands timestamps back as
-    naive datetimes in the worker's local time, which the output would read as UTC: they
-    are made aware again."""
-    fields = {}
-    for field, value in zip(schema.fields, values, strict=True):
-        if isinstance(field.dataType, TimestampType) and value is not None:
-            value = value.astimezone(UTC)  # a naive datetime is local time
-        elif isinstance(field.dataType, StructType) and value is not None:
-            value = _as_row(field.dataType, value)
-        fields[field.name] = value
-    return Row(**fields)
+    """A stored entry as the Row the output takes (see `_aware`)."""
+    return _aware(schema, values)
+
+
+def _aware(data_type: DataType, value):
+    """`value` of `data_type` as the state store handed it back, with every TimestampType
+    value in it made aware again: the store returns naive datetimes in the worker's local
+    time, which the output would read as UTC."""
+    if value is None:
+        return None
+    if isinstance(data_type, TimestampType):
+        return value.astimezone(UTC)  # a naive datetime is local time
+    if isinstance(data_type, StructType):
+        fields = zip(data_type.fields, value, strict=True)
+        return Row(**{field.name: _aware(field.dataType, item) for field, item in fields})
+    if isinstance(data_type, ArrayType):
+        return [_aware(data_type.elementType, item) for item in value]
+    if isinstance(data_type, MapType):
+        return {
+            _aware(data_type.keyType, k): _aware(data_type.valueType, v) for k, v in value.items()
+        }
+    return value
 
 
 def _position(row: Row) -> tuple:
@@ -107,7 +124,8 @@ def _position(row: Row) -> tuple:
 
 
 def can_look_up_by(data_type: DataType) -> bool:
-    return isinstance(data_type, KEY_TYPES)
+    whole = isinstance(data_type, DecimalType) and data_type.scale == 0
+    return whole or isinstance(data_type, KEY_TYPES)
 
 
 def looked_up(
@@ -136,7 +154,7 @@ def looked_up(
         *[value.alias(name) for name, value in no_entry.items()],
     )
     table_side = table.select(
-        F.col("_key").alias(KEY),  # bytes as they are: a key that is not text is not mangled
+        F.col("_key").alias(KEY),  # bytes: a key that is not UTF-8 never reaches Python as text
         F.lit(False).alias(NO_KEY),
         F.lit(True).alias(IS_TABLE),
         F.col("_value").isNull().alias(DELETED),

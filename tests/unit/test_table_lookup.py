@@ -1,7 +1,16 @@
 import time
 from datetime import UTC, datetime
 
-from pyspark.sql.types import LongType, StructField, StructType, TimestampType
+from pyspark.sql.types import (
+    ArrayType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
 
 from onceflow.table_lookup import _as_row
 
@@ -22,13 +31,19 @@ def test_a_stored_timestamp_comes_back_as_the_same_instant_whatever_the_workers_
                 StructField("id", LongType()),
                 StructField("joined", TimestampType()),
                 StructField("account", inner),
+                StructField("visits", ArrayType(inner)),
+                StructField("last_seen", MapType(StringType(), TimestampType())),
+                StructField("local", TimestampNTZType()),  # naive by design: left as it is
             ]
         )
-        row = _as_row(schema, (7, naive_local, (naive_local,)))
+        values = (7, naive_local, (naive_local,), [(naive_local,)], {"web": naive_local})
+        row = _as_row(schema, (*values, naive_local))
         assert row.id == 7
         assert row.joined == instant and row.joined.utcoffset().total_seconds() == 0
         assert row.account.since == instant
-        assert _as_row(schema, (None, None, None)).joined is None
+        assert row.visits[0].since == instant and row.last_seen == {"web": instant}
+        assert row.local == naive_local
+        assert _as_row(schema, (None,) * 6).joined is None
     finally:
         monkeypatch.undo()
         time.tzset()
