@@ -169,35 +169,33 @@ def q3_pipeline(bootstrap: str, topics: dict[str, str], sink: str, checkpoint: s
     }
     for source in sources.values():
         source["max_records_per_batch"] = PER_BATCH
-    return {
-        "app_id": f"bench-q3-{sink}",
-        "kafka": {"bootstrap_servers": bootstrap},
-        "sources": sources,
-        "sql": Q3_SQL,
-        "key": "seller",
-        "sink": {"topic": sink},
-        "checkpoint": {"location": checkpoint, "interval": "1s"},
-        "spark": {"master": "local[2]"},
-        "metrics": {"port": 0},
-    }
+    return _bench_pipeline("q3", bootstrap, sources, Q3_SQL, sink, checkpoint)
 
 
 def pipeline(bootstrap: str, topics: dict[str, str], sink: str, checkpoint: str) -> dict:
     event_time = {"field": "dateTime", "watermark_delay": f"{BOUND_S}s"}
+    sources = {
+        name: {
+            "topics": [topics[name]],
+            "starting_offsets": "earliest",
+            "schema": schema,
+            "event_time": event_time,
+            "max_records_per_batch": PER_BATCH,
+        }
+        for name, schema in (("persons", PERSON_SCHEMA), ("auctions", AUCTION_SCHEMA))
+    }
+    return _bench_pipeline("q8", bootstrap, sources, SQL_JOIN, sink, checkpoint)
+
+
+def _bench_pipeline(
+    query: str, bootstrap: str, sources: dict, sql: str, sink: str, checkpoint: str
+) -> dict:
+    """What both queries' pipelines share: keyed by seller, 1 s trigger, two local cores."""
     return {
-        "app_id": f"bench-q8-{sink}",
+        "app_id": f"bench-{query}-{sink}",
         "kafka": {"bootstrap_servers": bootstrap},
-        "sources": {
-            name: {
-                "topics": [topics[name]],
-                "starting_offsets": "earliest",
-                "schema": schema,
-                "event_time": event_time,
-                "max_records_per_batch": PER_BATCH,
-            }
-            for name, schema in (("persons", PERSON_SCHEMA), ("auctions", AUCTION_SCHEMA))
-        },
-        "sql": SQL_JOIN,
+        "sources": sources,
+        "sql": sql,
         "key": "seller",
         "sink": {"topic": sink},
         "checkpoint": {"location": checkpoint, "interval": "1s"},

@@ -89,16 +89,7 @@ def test_a_two_input_join_is_exactly_once_under_random_sigkills(
         )
     )
     app = Scenario(kafka_bootstrap, topics, [], tmp_path, long)
-    # First a kill between the Kafka commit of epoch 3 and Spark's commit log: the restart
-    # replays epoch 3 from both inputs' logged offsets and must find it published already.
-    crashed = app.service(pipeline, available_now=True, fault="after_kafka_commit@3")
-    assert crashed.wait() == -signal.SIGKILL, crashed.tail()
-    Service.kills += 1
-    kill_each_run_at_random(app, pipeline, 10 if long else 2, default_seed=20261126)
-    replay = (tmp_path / "run-2.log").read_text(errors="replace")
-    assert "batch 3 is already published; replay skipped" in replay, replay[-3000:]
-    drain = app.service(pipeline, available_now=True)
-    assert drain.wait() == 0, drain.tail()
+    _killed_then_drained(app, pipeline, tmp_path, long, default_seed=20261126)
 
     by_id = {p["id"]: p for p in persons}
     expected = Counter(
@@ -188,14 +179,7 @@ def test_a_stream_table_lookup_is_exactly_once_and_joins_as_of_each_epoch_under_
         )
     )
     app = Scenario(kafka_bootstrap, topics, [], tmp_path, long)
-    crashed = app.service(pipeline, available_now=True, fault="after_kafka_commit@3")
-    assert crashed.wait() == -signal.SIGKILL, crashed.tail()
-    Service.kills += 1
-    kill_each_run_at_random(app, pipeline, 10 if long else 2, default_seed=20261127)
-    replay = (tmp_path / "run-2.log").read_text(errors="replace")
-    assert "batch 3 is already published; replay skipped" in replay, replay[-3000:]
-    drain = app.service(pipeline, available_now=True)
-    assert drain.wait() == 0, drain.tail()
+    _killed_then_drained(app, pipeline, tmp_path, long, default_seed=20261127)
 
     expected = Counter(_joined_as_of_each_epoch(tmp_path / "checkpoint", persons, auctions))
     published = Counter()
@@ -213,6 +197,20 @@ def test_a_stream_table_lookup_is_exactly_once_and_joins_as_of_each_epoch_under_
     )
     dead = [m.value() for m in read_committed(kafka_bootstrap, topics["dlq"])]
     assert dead == [keyless[1]]
+
+
+def _killed_then_drained(app: Scenario, pipeline, tmp_path, long: bool, default_seed: int) -> None:
+    """First a kill between the Kafka commit of epoch 3 and Spark's commit log (the restart
+    replays epoch 3 from both inputs' logged offsets and must find it published already),
+    then kills at random moments, then a run that drains what is left."""
+    crashed = app.service(pipeline, available_now=True, fault="after_kafka_commit@3")
+    assert crashed.wait() == -signal.SIGKILL, crashed.tail()
+    Service.kills += 1
+    kill_each_run_at_random(app, pipeline, 10 if long else 2, default_seed=default_seed)
+    replay = (tmp_path / "run-2.log").read_text(errors="replace")
+    assert "batch 3 is already published; replay skipped" in replay, replay[-3000:]
+    drain = app.service(pipeline, available_now=True)
+    assert drain.wait() == 0, drain.tail()
 
 
 def _joined_as_of_each_epoch(checkpoint, persons: list, auctions: list) -> list[tuple]:
