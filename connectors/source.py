@@ -48,6 +48,7 @@ READ_STALL_TIMEOUT_S = 120.0
 LOOKUP_ATTEMPTS = 3
 # The first epochs a process plans take 1/16, then 1/4 of maxOffsetsPerTrigger, then all of it.
 RAMP_SHARES = (16, 4)
+MIN_TASK_RECORDS = 1_000  # an epoch's offsets per read task at least (see plan_tasks)
 
 
 @dataclass(frozen=True)
@@ -553,18 +554,23 @@ def _admit(available: dict[tuple[str, int], int], limit: ReadLimit) -> dict[tupl
     return take
 
 
-def plan_tasks(ranges: list[OffsetRange], parallelism: int | None) -> list[ReadTask]:
-    """A batch's offset ranges as Spark tasks: one per partition, or `parallelism` equal shares.
+def plan_tasks(
+    ranges: list[OffsetRange], parallelism: int | None, min_share: int = MIN_TASK_RECORDS
+) -> list[ReadTask]:
+    """A batch's offset ranges as Spark tasks: one per partition, or up to `parallelism` equal
+    shares of at least `min_share` offsets.
 
     Equal shares keep every core busy to the end of the epoch: three partitions on two cores
     otherwise run as two tasks and then one alone (Q1 of the benchmark: 17% slower). A share
     takes the ranges in order and cuts one only at its edge, so a task reads few partitions.
+    A small epoch is one task: a task's fixed cost (its Python workers' round trips) is more
+    than what a second core would save on a few records.
     """
     ranges = [r for r in ranges if r.size > 0]
     if not parallelism or not ranges:
         return [ReadTask((r,)) for r in ranges]
     total = sum(r.size for r in ranges)
-    tasks = min(parallelism, total)
+    tasks = max(1, min(parallelism, total // min_share))
     shares = iter(total // tasks + (1 if i < total % tasks else 0) for i in range(tasks))
     planned: list[ReadTask] = []
     current: list[OffsetRange] = []

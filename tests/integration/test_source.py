@@ -241,13 +241,13 @@ def test_parallelism_reads_each_batch_in_that_many_equal_tasks(
     spark, kafka_bootstrap, new_topic, tmp_path
 ):
     topic = new_topic(partitions=3)
-    produce(kafka_bootstrap, topic, ((None, f"v{i}".encode(), i % 3) for i in range(999)))
+    produce(kafka_bootstrap, topic, ((None, f"v{i}".encode(), i % 3) for i in range(2_999)))
     df = source_reader(spark, kafka_bootstrap, topic, parallelism="2")
     rows, _ = drain(df.selectExpr("*", "spark_partition_id() AS task"), str(tmp_path / "ck"))
-    for p in range(3):
-        assert sorted(r.offset for r in rows if r.partition == p) == list(range(333))
+    for p, count in enumerate((1_000, 1_000, 999)):
+        assert sorted(r.offset for r in rows if r.partition == p) == list(range(count))
     per_task = Counter(r.task for r in rows)
-    assert sorted(per_task.values()) == [499, 500]
+    assert sorted(per_task.values()) == [1_499, 1_500]
 
 
 # -- offsets that go backwards, gone offsets, partitions that come and go (issue: no holes) --

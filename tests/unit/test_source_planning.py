@@ -7,7 +7,7 @@ import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from onceflow.connectors.options import OptionError, kafka_conf, parse_starting_offsets
-from onceflow.connectors.source import OffsetRange, _admit, plan_tasks
+from onceflow.connectors.source import MIN_TASK_RECORDS, OffsetRange, _admit, plan_tasks
 
 
 def test_admit_takes_everything_without_a_limit():
@@ -34,7 +34,7 @@ def test_parallelism_cuts_a_batch_into_equal_shares_covering_every_offset(parall
         OffsetRange("t", 1, 0, 10),
         OffsetRange("u", 0, 7, 340),
     ]
-    tasks = plan_tasks(ranges, parallelism)
+    tasks = plan_tasks(ranges, parallelism, min_share=1)
 
     assert len(tasks) == parallelism
     sizes = [sum(r.size for r in t.ranges) for t in tasks]
@@ -61,8 +61,16 @@ def test_three_partitions_on_two_cores_make_two_tasks():
 
 
 def test_fewer_offsets_than_parallelism_make_one_task_per_offset():
-    tasks = plan_tasks([OffsetRange("t", 0, 0, 3)], 8)
+    tasks = plan_tasks([OffsetRange("t", 0, 0, 3)], 8, min_share=1)
     assert [t.ranges for t in tasks] == [(OffsetRange("t", 0, i, i + 1),) for i in range(3)]
+
+
+def test_a_small_epoch_is_one_task_and_a_larger_one_gets_shares_of_the_minimum():
+    small = [OffsetRange("t", p, 10, 10 + MIN_TASK_RECORDS // 2 - 1) for p in range(2)]
+    assert [t.ranges for t in plan_tasks(small, 2)] == [tuple(small)]
+    larger = [OffsetRange("t", p, 0, MIN_TASK_RECORDS * 7 // 4) for p in range(2)]  # 3.5 shares
+    sizes = [sum(r.size for r in t.ranges) for t in plan_tasks(larger, 8)]
+    assert len(sizes) == 3 and min(sizes) >= MIN_TASK_RECORDS and sum(sizes) == 2 * larger[0].size
 
 
 def test_starting_offsets_json_is_parsed_like_spark():
