@@ -261,6 +261,16 @@ def test_named_inputs_keep_their_own_event_time_and_a_single_source_is_named_inp
             "sources.b.topics",
             "['x'] already read by input 'a'",
         ),
+        (
+            {
+                "sources": {
+                    "a": {"topics": "x", "format": "raw"},
+                    "b": {"topics": "y,x", "format": "raw"},  # as Spark's `subscribe` reads it
+                }
+            },
+            "sources.b.topics",
+            "['x'] already read by input 'a'",
+        ),
     ],
 )
 def test_named_inputs_and_sql_errors_name_their_field(changes, path, words):
@@ -352,6 +362,9 @@ def test_an_input_another_looks_up_is_a_table_read_from_the_earliest_offset():
             "has a column 'persons' already",
         ),
         ({"persons": {"topics": ["a", "b"]}}, "sources.persons.topics", "a table reads one topic"),
+        ({"persons": {"topics": "a, b"}}, "sources.persons.topics", "a table reads one topic"),
+        ({"persons": {"topics": ["a,b"]}}, "sources.persons.topics", "list of topic names"),
+        ({"persons": {"topics": "a,"}}, "sources.persons.topics", "list of topic names"),
     ],
 )
 def test_lookup_errors_name_their_field(changes, path, words):
