@@ -109,7 +109,8 @@ CLUSTER_IN_MOTION = (
 )
 
 
-def _retriable(exc: BaseException) -> bool:
+def retriable(exc: BaseException) -> bool:
+    """A Kafka error that goes away when asked again: no answer, or a cluster in motion."""
     if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
         error = exc.args[0]
         return error.retriable() or error.code() in (*NO_ANSWER, *CLUSTER_IN_MOTION)
@@ -220,7 +221,7 @@ def offsets_attempt_timeout_s() -> float:
 
 kafka_retry = retry(
     before=_note_attempt,
-    retry=retry_if_exception(_retriable),
+    retry=retry_if_exception(retriable),
     wait=wait_exponential(multiplier=0.2, max=5),
     stop=_gives_up,
     retry_error_callback=_unreachable,

@@ -45,6 +45,10 @@ EARLIEST, LATEST = -2, -1  # as in Spark's startingOffsets JSON
 # One Arrow batch per librdkafka prefetch queue's worth of messages.
 ARROW_BATCH_ROWS = kafka_clients.PREFETCH_MESSAGES
 READ_STALL_TIMEOUT_S = 120.0
+# How long a read waits for a leader whose log holds its range before the range counts as
+# lost, and how often it asks again meanwhile (see _out_of_range).
+BEHIND_LEADER_WAIT_S = 30.0
+BEHIND_LEADER_RETRY_S = 0.5
 LOOKUP_ATTEMPTS = 3
 # The first epochs a process plans take 1/16, then 1/4 of maxOffsetsPerTrigger, then all of it.
 RAMP_SHARES = (16, 4)
@@ -429,6 +433,7 @@ def read_range(
     columns = _Columns()
     position = r.start
     last_progress = time.monotonic()
+    out_of_range_since: float | None = None  # when a broker first said `position` is not in it
     try:
         while position < r.end:
             before = position
@@ -440,14 +445,17 @@ def read_range(
                         columns.add(msg)
                         position = msg.offset() + 1
                 elif err.code() == KafkaError._AUTO_OFFSET_RESET:
-                    position = _skip_lost(consumer, r, position, fail_on_data_loss, checkpoint)
+                    out_of_range_since = out_of_range_since or time.monotonic()
+                    position = _out_of_range(
+                        consumer, r, position, fail_on_data_loss, checkpoint, out_of_range_since
+                    )
                     break
                 elif err.code() != KafkaError._PARTITION_EOF:
                     raise KafkaException(err)
             else:  # past gaps (transaction markers, aborted records) the position says more
                 position = max(position, consumer.position([tp])[0].offset)
             if position > before:
-                last_progress = time.monotonic()
+                last_progress, out_of_range_since = time.monotonic(), None
             elif time.monotonic() - last_progress > READ_STALL_TIMEOUT_S:
                 raise KafkaException(
                     f"reading {r.topic}[{r.partition}] made no progress for "
@@ -463,19 +471,80 @@ def read_range(
         consumer.unassign()
 
 
-def _skip_lost(consumer, r: OffsetRange, position: int, fail: bool, checkpoint) -> int:
+def _out_of_range(
+    consumer, r: OffsetRange, position: int, fail: bool, checkpoint, since: float
+) -> int:
+    """A broker answered that offset `position` of the range is not in its log; returns the
+    position to read on from.
+
+    That broker may no longer be the partition's leader: one paused past its session timeout
+    (a long GC pause, a hung host) answers as the leader it was until it learns otherwise,
+    with a log that lacks what the new leader took meanwhile. So the leader is asked again,
+    after a metadata refresh, and its answer decides:
+    - its log starts after `position`: the offsets were deleted (retention, deleteRecords)
+      while the batch ran: data loss (`_skip_lost`);
+    - its log holds `position`: the broker that answered was behind; read on;
+    - its log ends at or before `position`, or it did not answer: the batch was planned when
+      these offsets were committed, so a leader that holds them is waited for, up to
+      BEHIND_LEADER_WAIT_S since the first such answer; after that they count as lost (a
+      topic recreated, or an unclean leader election, while the batch ran).
+    """
+    from confluent_kafka import KafkaException, TopicPartition
+
+    waited = time.monotonic() - since
+    low = high = None
+    try:
+        consumer.list_topics(r.topic, timeout=kafka_clients.ATTEMPT_TIMEOUT_S)  # leaders moved?
+        low, high = consumer.get_watermark_offsets(
+            TopicPartition(r.topic, r.partition), kafka_clients.ATTEMPT_TIMEOUT_S
+        )
+    except KafkaException as exc:
+        if not kafka_clients.retriable(exc):
+            raise
+    if low is not None and low > position:
+        return _skip_lost(consumer, r, position, low, high, fail, checkpoint)
+    if high is not None and high > position:
+        log.warning(
+            "a broker answered that offset %d of %s[%d] is not in its log, but the leader "
+            "holds [%d, %d): that broker was behind (a leader that lost its leadership while "
+            "paused); reading on from the leader",
+            position,
+            r.topic,
+            r.partition,
+            low,
+            high,
+        )
+    elif waited >= BEHIND_LEADER_WAIT_S:
+        return _skip_lost(consumer, r, position, low, high, fail, checkpoint)
+    else:
+        if waited < BEHIND_LEADER_RETRY_S:  # said once per wait
+            held = f"holds [{low}, {high})" if high is not None else "did not answer"
+            log.warning(
+                "offset %d of %s[%d] was committed when the batch was planned, but the "
+                "leader %s; waiting up to %.0f s for a leader that holds it",
+                position,
+                r.topic,
+                r.partition,
+                held,
+                BEHIND_LEADER_WAIT_S,
+            )
+        time.sleep(BEHIND_LEADER_RETRY_S)
+    consumer.assign([TopicPartition(r.topic, r.partition, position)])
+    return position
+
+
+def _skip_lost(consumer, r: OffsetRange, position: int, low, high, fail: bool, checkpoint) -> int:
     """Offset `position` of the range is gone: fail, or count the gone offsets and go on
     from the first one still stored (the range's end if none is). Returns the new position."""
     from confluent_kafka import TopicPartition
 
-    low, high = consumer.get_watermark_offsets(
-        TopicPartition(r.topic, r.partition), kafka_clients.REQUEST_TIMEOUT_S
-    )
-    resume = low if position < low < r.end and high > low else r.end
+    known = low is not None and high is not None
+    resume = low if known and position < low < r.end and high > low else r.end
+    held = f"the broker holds [{low}, {high})" if known else "the leader did not answer"
     message = (
         f"data loss on topic {r.topic} partition {r.partition}: offset {position} of the "
-        f"batch's range [{r.start}, {r.end}) is gone (the broker holds [{low}, {high})); it was "
-        "deleted or the topic was recreated while the batch was read."
+        f"batch's range [{r.start}, {r.end}) is gone ({held}); it was deleted or the topic "
+        "was recreated while the batch was read."
     )
     if fail:
         raise DataLossError(message + " Set failOnDataLoss=false to skip gone offsets.")

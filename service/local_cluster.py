@@ -14,7 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .local_kafka import LocalKafka, LocalKafkaError, new_cluster_id
+from .local_kafka import (
+    TRANSACTION_STATE_PARTITIONS,
+    LocalKafka,
+    LocalKafkaError,
+    new_cluster_id,
+)
 
 DEFAULT_NODES = 3
 START_TIMEOUT_S = 120.0
@@ -65,6 +70,20 @@ class LocalCluster:
 
     def exists(self) -> bool:
         return (self.directory / "nodes").exists()
+
+    def transaction_coordinator(self, transactional_id: str) -> int:
+        """The node leading the `__transaction_state` partition of `transactional_id`
+        (Kafka's `abs(transactionalId.hashCode()) % partitions`): the one to fail in a test."""
+        from confluent_kafka.admin import AdminClient
+
+        code = 0
+        for char in transactional_id:
+            code = (31 * code + ord(char)) & 0xFFFFFFFF
+        code = code - 2**32 if code >= 2**31 else code
+        partition = (0 if code == -(2**31) else abs(code)) % TRANSACTION_STATE_PARTITIONS
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+        state = admin.list_topics("__transaction_state", timeout=30).topics["__transaction_state"]
+        return state.partitions[partition].leader
 
     def running(self) -> list[int]:
         """The ids of the nodes whose process runs."""

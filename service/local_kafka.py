@@ -42,6 +42,7 @@ DEFAULT_PORT = 9092
 CLUSTER_CONTROLLER_OFFSET = 10
 PROXIED_LISTENER_OFFSET = 5
 START_TIMEOUT_S = 90.0
+TRANSACTION_STATE_PARTITIONS = 4  # few: a node's start loads each one
 STOP_TIMEOUT_S = 30.0
 
 POM = f"""<?xml version="1.0" encoding="UTF-8"?>
@@ -411,7 +412,7 @@ class LocalKafka:
                     "offsets.topic.num.partitions=4",
                     f"transaction.state.log.replication.factor={replicas}",
                     f"transaction.state.log.min.isr={min_isr}",
-                    "transaction.state.log.num.partitions=4",
+                    f"transaction.state.log.num.partitions={TRANSACTION_STATE_PARTITIONS}",
                     f"share.coordinator.state.topic.replication.factor={replicas}",
                     f"share.coordinator.state.topic.min.isr={min_isr}",
                     "group.initial.rebalance.delay.ms=0",

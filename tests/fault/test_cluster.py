@@ -25,6 +25,7 @@ import pytest
 from confluent_kafka import Producer
 
 from onceflow.connectors import kafka_clients
+from onceflow.connectors.checkpoint import CheckpointDir
 from onceflow.connectors.markers import last_marker, marker_topic_for
 from onceflow.connectors.topics import create_topic
 from onceflow.local_cluster import LocalCluster
@@ -43,7 +44,6 @@ from tests.helpers import free_ports, produce, wait_until
 from tests.tcp_proxy import CUT, END_TXN, INIT_PRODUCER_ID, LOSE_ANSWERS, TO_SERVER, Proxy
 
 pytestmark = pytest.mark.fault
-TRANSACTION_STATE_PARTITIONS = 4  # local_kafka's transaction.state.log.num.partitions
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_the_coordinator_dies_in_a_commit_then_hangs_then_every_node_restarts_in
     wait_until(lambda: held.exists() or service.process.poll() is not None, 180, "epoch 8")
     assert service.process.poll() is None, service.tail()
     sink = f"onceflow-fault-{topics['in']}-{topics['out']}"  # the sink's transactional id
-    coordinator = _transaction_coordinator(cluster, sink)
+    coordinator = cluster.transaction_coordinator(sink)
     before = _committed(commits)
     killed = time.monotonic()
     cluster.node(coordinator).kill()
@@ -155,7 +155,7 @@ def test_the_coordinator_dies_in_a_commit_then_hangs_then_every_node_restarts_in
     # 2. A hung node: the coordinator, wherever it is now, stops answering but keeps its
     #    connections (SIGSTOP), for longer than a client waits for an answer; the pipeline
     #    must go on committing without it, then it resumes and catches up.
-    coordinator = _transaction_coordinator(cluster, sink)
+    coordinator = cluster.transaction_coordinator(sink)
     before, hung = _committed(commits), time.monotonic()
     cluster.node(coordinator).pause()
     try:
@@ -177,7 +177,7 @@ def test_the_coordinator_dies_in_a_commit_then_hangs_then_every_node_restarts_in
     #    directory and copies every replica from the other two. Then each of those restarts
     #    in turn, so that the rebuilt node leads partitions: had it come back without data
     #    that was committed, the reader would see records vanish or go missing.
-    lost = _transaction_coordinator(cluster, sink)
+    lost = cluster.transaction_coordinator(sink)
     before, killed = _committed(commits), time.monotonic()
     cluster.node(lost).kill()
     shutil.rmtree(cluster.node(lost).data_dir)
@@ -381,6 +381,85 @@ def test_an_offset_look_up_waiting_for_a_dead_leader_does_not_spin(cluster):
     assert cpu < 0.25 * wall
 
 
+def test_a_read_answered_by_a_leader_that_was_paused_waits_for_its_records_not_skips_them(
+    cluster, tmp_path, caplog
+):
+    """A leader paused past its session timeout (a long GC pause, a hung host) loses its
+    partitions; resumed, it answers as the leader it was until it learns otherwise, and a
+    read of records the new leader took meanwhile is told they are past its log. They are
+    not gone: the read must deliver them. (It took them for data loss: skipped with
+    failOnDataLoss=false, a failed query by default; seen in bench.broker_faults.)"""
+    from onceflow.connectors.source import OffsetRange, read_range
+
+    topic = _topic(cluster, "paused-leader")
+    conf = {"bootstrap.servers": cluster.bootstrap}
+    checkpoint = CheckpointDir(tmp_path / "checkpoint")
+    produce(cluster.bootstrap, topic, [(None, b"before", 0)] * 10)
+    # The tasks' consumer is reused: now it knows the leader, and keeps a connection to it.
+    assert _offsets(read_range(conf, OffsetRange(topic, 0, 0, 10), False)) == list(range(10))
+    leader = _leaders(cluster.bootstrap, topic)[0]
+    others = [n for n in cluster.nodes if n.node_id != leader]
+    live = ",".join(n.bootstrap for n in others)
+    paused = cluster.node(leader)
+    paused.pause()
+    try:
+        wait_until(lambda: _leaders(live, topic).get(0, leader) != leader, 60, "a new leader")
+        produce(live, topic, [(None, b"while paused", 0)] * 10)  # offsets 10-19
+        waiting = _bytes_waiting_at(paused.port)
+        read: list = []  # the offsets read, or the error the read ended with
+
+        def read_on() -> None:
+            try:
+                read.append(
+                    _offsets(read_range(conf, OffsetRange(topic, 0, 15, 20), False, checkpoint))
+                )
+            except Exception as exc:
+                read.append(exc)
+
+        reader = threading.Thread(target=read_on)
+        with caplog.at_level("WARNING", logger="onceflow.source"):
+            reader.start()
+            # The fetch waits in the paused node's socket: it reads it first thing on resume.
+            wait_until(lambda: _bytes_waiting_at(paused.port) > waiting, 10, "a fetch to it")
+            paused.pause(False)
+            reader.join(60)
+    finally:
+        paused.pause(False)
+    assert read == [list(range(15, 20))]
+    assert checkpoint.source_stats() == {}  # nothing counted as lost
+    answered = [r.getMessage() for r in caplog.records if "is not in its log" in r.getMessage()]
+    waited = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+    print(f"the paused leader's answers: {answered + waited}")
+    assert answered or waited  # the resumed node did answer out of range
+
+
+def _offsets(batches) -> list[int]:
+    return [o for b in batches for o in b.column("offset").to_pylist()]
+
+
+def _leaders(bootstrap: str, topic: str) -> dict[int, int]:
+    """partition -> leader node, as the brokers of `bootstrap` see it (-1 when none)."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    with contextlib.suppress(Exception):
+        meta = admin.list_topics(topic, timeout=2).topics[topic]
+        return {p.id: p.leader for p in meta.partitions.values()}
+    return {}
+
+
+def _bytes_waiting_at(port: int) -> int:
+    """Bytes received by the sockets listening on `port` that no one has read yet (a paused
+    broker's requests), from /proc/net/tcp and tcp6 (where the JVM's sockets are)."""
+    waiting = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:  # local address:port
+                waiting += int(fields[4].split(":")[1], 16)  # tx_queue:rx_queue
+    return waiting
+
+
 def _cpu_seconds() -> float:
     import resource
 
@@ -451,21 +530,6 @@ def _topic(cluster: LocalCluster, prefix: str) -> str:
     name = f"{prefix}-{uuid.uuid4().hex[:10]}"
     create_topic(cluster.bootstrap, name, 3)
     return name
-
-
-def _transaction_coordinator(cluster: LocalCluster, transactional_id: str) -> int:
-    """The node leading the `__transaction_state` partition of `transactional_id` (Kafka's
-    `abs(transactionalId.hashCode()) % partitions`)."""
-    from confluent_kafka.admin import AdminClient
-
-    code = 0
-    for char in transactional_id:
-        code = (31 * code + ord(char)) & 0xFFFFFFFF
-    code = code - 2**32 if code >= 2**31 else code
-    partition = (0 if code == -(2**31) else abs(code)) % TRANSACTION_STATE_PARTITIONS
-    admin = AdminClient({"bootstrap.servers": cluster.bootstrap})
-    state = admin.list_topics("__transaction_state", timeout=30).topics["__transaction_state"]
-    return state.partitions[partition].leader
 
 
 def _partitions_led_by(cluster: LocalCluster, node: int) -> set[str]:

@@ -172,7 +172,7 @@ def test_the_admin_clients_look_ups_never_create_a_topic(monkeypatch):
 def test_a_cluster_moving_its_leaders_is_retried_like_a_broker_that_did_not_answer(code):
     """A rolling restart answered the source's offset look-up with FENCED_LEADER_EPOCH, not
     marked retriable, and the run died although two of three nodes were up."""
-    assert kafka_clients._retriable(KafkaException(KafkaError(code)))
-    assert not kafka_clients._retriable(
+    assert kafka_clients.retriable(KafkaException(KafkaError(code)))
+    assert not kafka_clients.retriable(
         KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
     )
