@@ -143,7 +143,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 "was renamed or added since. Restore its name, or start with a new checkpoint "
                 "location."
             )
-        tps, ids, earliest, stable = self._look_up()
+        tps, ids, earliest, stable = self._look_up_once()
         if isinstance(self.starting, dict):
             starts = self._specific_offsets(tps, self.starting)
         elif self.starting == "earliest":
@@ -185,8 +185,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         offsets went backwards, or whose topic was recreated, is restarted the same way.
         """
         self._check_input(start)
-        tps, ids_now, earliest, stable = self._look_up()
         starts, ids = offsets.positions(start), offsets.topic_ids(start)
+        tps, ids_now, earliest, stable = self._look_up(starts, ids)
         retired = offsets.retired_ids(start)
         stale = {t for t, i in ids_now.items() if i in retired.get(t, [])}
         if stale:  # held at their offsets this batch, as unlisted partitions are
@@ -234,7 +234,36 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     "start it with a new checkpoint location."
                 )
 
-    def _look_up(self) -> tuple[list[TP], dict, dict[TP, int], dict[TP, int]]:
+    def _look_up(
+        self, starts: dict[TP, int], ids: dict[str, str]
+    ) -> tuple[list[TP], dict, dict[TP, int], dict[TP, int]]:
+        """What `_look_up_once` answers, asked again while a partition's log seems to end
+        below the offset the query expects next under the same topic id, up to
+        BEHIND_LEADER_WAIT_S: that is how a leader that lost its partitions while paused
+        answers until it learns (see `_out_of_range`). Only a log that stays behind is taken
+        for offsets that went backwards (`_check_rewound`)."""
+        since = time.monotonic()
+        while True:
+            tps, ids_now, earliest, stable = self._look_up_once()
+            behind = sorted(
+                tp
+                for tp, offset in starts.items()
+                if stable.get(tp, offset) < offset and ids_now.get(tp[0]) == ids.get(tp[0])
+            )
+            waited = time.monotonic() - since
+            if not behind or waited >= BEHIND_LEADER_WAIT_S:
+                return tps, ids_now, earliest, stable
+            if waited < BEHIND_LEADER_RETRY_S:  # said once per wait
+                log.warning(
+                    "the log of %s ends below the offset the query expects next (%s); asking "
+                    "again for up to %.0f s before taking it for offsets that went backwards",
+                    ", ".join(f"{t}[{p}] at {stable[(t, p)]}" for t, p in behind),
+                    ", ".join(str(starts[tp]) for tp in behind),
+                    BEHIND_LEADER_WAIT_S,
+                )
+            time.sleep(BEHIND_LEADER_RETRY_S)
+
+    def _look_up_once(self) -> tuple[list[TP], dict, dict[TP, int], dict[TP, int]]:
         """The partitions, topic ids, earliest and stable offsets to plan with, all of one
         incarnation of each topic: the ids are read before and after the offsets, and all
         again if a topic was recreated in between. A topic deleted since the metadata answer

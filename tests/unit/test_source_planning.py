@@ -135,7 +135,7 @@ def test_planning_looks_up_again_when_a_topic_is_recreated_meanwhile(monkeypatch
     monkeypatch.setattr(kafka_clients, "stable_ends", lambda conf, tps: next(ends))
     reader = KafkaStreamReader({"kafka.bootstrap.servers": "x:1", "subscribe": "t"})
     monkeypatch.setattr(reader, "_partitions_now", lambda: [("t", 0)])
-    assert reader._look_up() == ([("t", 0)], {"t": "new"}, {("t", 0): 0}, {("t", 0): 7})
+    assert reader._look_up_once() == ([("t", 0)], {"t": "new"}, {("t", 0): 0}, {("t", 0): 7})
 
 
 def _reader_over(monkeypatch, answers: list[dict], stable: int = 90, **options: str):
@@ -181,6 +181,30 @@ def test_a_recreation_retires_the_old_id(monkeypatch):
     assert offsets.topic_ids(end) == {"t": "B"} and offsets.retired_ids(end) == {"t": ["A"]}
 
 
+def test_a_log_that_seems_to_end_behind_the_query_is_asked_again_before_it_is_a_rewind(
+    monkeypatch,
+):
+    """A leader that lost its partitions while paused answers, until it learns, from its own
+    log, which ends below what the query read from the new leader meanwhile. Asked again,
+    the new leader answers. (Taken at once for offsets that went backwards, the partition
+    restarted from its earliest offset under failOnDataLoss=false: every record read twice;
+    by default the query failed.) A log that stays behind is a rewind, as before."""
+    from onceflow.connectors import kafka_clients, offsets, source
+
+    monkeypatch.setattr(source, "BEHIND_LEADER_RETRY_S", 0.0)
+    start = offsets.logged({("t", 0): 15}, {"t": "A"})
+    reader = _reader_over(monkeypatch, [{"t": "A"}] * 4)  # ids before and after each look-up
+    ends = iter([{("t", 0): 10}, {("t", 0): 20}])  # the paused leader's, then the new one's
+    monkeypatch.setattr(kafka_clients, "stable_ends", lambda conf, tps: next(ends))
+    end = reader.latestOffset(start, ReadAllAvailable())
+    assert offsets.positions(end) == {("t", 0): 20}
+
+    monkeypatch.setattr(source, "BEHIND_LEADER_WAIT_S", 0.0)
+    reader = _reader_over(monkeypatch, [{"t": "A"}] * 2, stable=10)
+    end = reader.latestOffset(start, ReadAllAvailable())
+    assert offsets.positions(end) == {("t", 0): 0}  # restarted from the earliest offset
+
+
 def test_the_first_epochs_a_process_plans_take_a_share_of_the_limit_then_the_whole():
     from onceflow.connectors import offsets
     from onceflow.connectors.source import KafkaStreamReader
@@ -189,7 +213,7 @@ def test_the_first_epochs_a_process_plans_take_a_share_of_the_limit_then_the_who
     tps = [("t", 0), ("t", 1)]
     backlog = {("t", 0): 0, ("t", 1): 0}
     stable = {("t", 0): 100_000, ("t", 1): 100_000}
-    reader._look_up = lambda: (tps, {"t": "id"}, backlog, dict(stable))
+    reader._look_up_once = lambda: (tps, {"t": "id"}, backlog, dict(stable))
 
     def planned(start: dict, limit: int) -> dict:
         end = offsets.positions(reader.latestOffset(start, ReadMaxRows(limit)))
