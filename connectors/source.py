@@ -513,10 +513,12 @@ def _out_of_range(
     - its log starts after `position`: the offsets were deleted (retention, deleteRecords)
       while the batch ran: data loss (`_skip_lost`);
     - its log holds `position`: the broker that answered was behind; read on;
-    - its log ends at or before `position`, or it did not answer: the batch was planned when
-      these offsets were committed, so a leader that holds them is waited for, up to
-      BEHIND_LEADER_WAIT_S since the first such answer; after that they count as lost (a
-      topic recreated, or an unclean leader election, while the batch ran).
+    - its log ends at or before `position`: the batch was planned when these offsets were
+      committed, so a leader that holds them is waited for, up to BEHIND_LEADER_WAIT_S since
+      the first such answer; after that they count as lost (a topic recreated, or an unclean
+      leader election, while the batch ran);
+    - it did not answer: it is asked again; a leader that never answers fails the read as
+      stalled (READ_STALL_TIMEOUT_S), never as data loss.
     """
     from confluent_kafka import KafkaException, TopicPartition
 
@@ -532,7 +534,9 @@ def _out_of_range(
             raise
     if low is not None and low > position:
         return _skip_lost(consumer, r, position, low, high, fail, checkpoint)
-    if high is not None and high > position:
+    if high is None:
+        pass  # no answer: ask again
+    elif high > position:
         log.warning(
             "a broker answered that offset %d of %s[%d] is not in its log, but the leader "
             "holds [%d, %d): that broker was behind (a leader that lost its leadership while "
@@ -545,35 +549,34 @@ def _out_of_range(
         )
     elif waited >= BEHIND_LEADER_WAIT_S:
         return _skip_lost(consumer, r, position, low, high, fail, checkpoint)
-    else:
-        if waited < BEHIND_LEADER_RETRY_S:  # said once per wait
-            held = f"holds [{low}, {high})" if high is not None else "did not answer"
-            log.warning(
-                "offset %d of %s[%d] was committed when the batch was planned, but the "
-                "leader %s; waiting up to %.0f s for a leader that holds it",
-                position,
-                r.topic,
-                r.partition,
-                held,
-                BEHIND_LEADER_WAIT_S,
-            )
-        time.sleep(BEHIND_LEADER_RETRY_S)
+    elif waited < BEHIND_LEADER_RETRY_S:  # said once per wait
+        log.warning(
+            "offset %d of %s[%d] was committed when the batch was planned, but the leader "
+            "holds [%d, %d); waiting up to %.0f s for a leader that holds it",
+            position,
+            r.topic,
+            r.partition,
+            low,
+            high,
+            BEHIND_LEADER_WAIT_S,
+        )
+    time.sleep(BEHIND_LEADER_RETRY_S)  # a stale broker may answer the next fetch too
     consumer.assign([TopicPartition(r.topic, r.partition, position)])
     return position
 
 
-def _skip_lost(consumer, r: OffsetRange, position: int, low, high, fail: bool, checkpoint) -> int:
+def _skip_lost(
+    consumer, r: OffsetRange, position: int, low: int, high: int, fail: bool, checkpoint
+) -> int:
     """Offset `position` of the range is gone: fail, or count the gone offsets and go on
     from the first one still stored (the range's end if none is). Returns the new position."""
     from confluent_kafka import TopicPartition
 
-    known = low is not None and high is not None
-    resume = low if known and position < low < r.end and high > low else r.end
-    held = f"the broker holds [{low}, {high})" if known else "the leader did not answer"
+    resume = low if position < low < r.end and high > low else r.end
     message = (
         f"data loss on topic {r.topic} partition {r.partition}: offset {position} of the "
-        f"batch's range [{r.start}, {r.end}) is gone ({held}); it was deleted or the topic "
-        "was recreated while the batch was read."
+        f"batch's range [{r.start}, {r.end}) is gone (the broker holds [{low}, {high})); it was "
+        "deleted or the topic was recreated while the batch was read."
     )
     if fail:
         raise DataLossError(message + " Set failOnDataLoss=false to skip gone offsets.")

@@ -462,10 +462,13 @@ def _source(s: _Section, event: _Section | None, name: str = DEFAULT_SOURCE) -> 
         *(["event_time", "lookup"] if s.path != "source" else []),
     )
     topics = s.value("topics", required=True)
-    if isinstance(topics, str):  # "a,b" names two topics, as in Spark's `subscribe`
-        topics = [t.strip() for t in topics.split(",")]
-    names = isinstance(topics, list) and all(isinstance(t, str) for t in topics)
-    if not names or not topics or not all(t and "," not in t for t in topics):
+    if isinstance(topics, str):
+        topics = [topics]
+    if not isinstance(topics, list) or not all(isinstance(t, str) for t in topics):
+        raise ConfigError(f"{s.path}.topics", "must be a non-empty list of topic names")
+    # "a,b" names two topics, as Spark's `subscribe` reads it (no topic name has a comma).
+    topics = [name.strip() for entry in topics for name in entry.split(",") if name.strip()]
+    if not topics:
         raise ConfigError(f"{s.path}.topics", "must be a non-empty list of topic names")
     fmt = s.choice("format", ("json", *AVRO_FORMATS, "raw"), default="json")
     schema = s.string("schema")

@@ -363,8 +363,8 @@ def test_an_input_another_looks_up_is_a_table_read_from_the_earliest_offset():
         ),
         ({"persons": {"topics": ["a", "b"]}}, "sources.persons.topics", "a table reads one topic"),
         ({"persons": {"topics": "a, b"}}, "sources.persons.topics", "a table reads one topic"),
-        ({"persons": {"topics": ["a,b"]}}, "sources.persons.topics", "list of topic names"),
-        ({"persons": {"topics": "a,"}}, "sources.persons.topics", "list of topic names"),
+        ({"persons": {"topics": ["a,b"]}}, "sources.persons.topics", "a table reads one topic"),
+        ({"persons": {"topics": " , "}}, "sources.persons.topics", "list of topic names"),
     ],
 )
 def test_lookup_errors_name_their_field(changes, path, words):
@@ -382,3 +382,10 @@ def test_a_table_serves_one_stream():
     }
     with pytest.raises(ConfigError, match="already looked up by 'auctions'"):
         parse(raw)
+
+
+def test_topic_names_are_read_as_sparks_subscribe_reads_them():
+    raw = lookup_with()
+    raw["sources"]["auctions"]["topics"] = [" auctions , bids,", "asks"]
+    (auctions,) = [s for s in parse(raw).sources if s.name == "auctions"]
+    assert auctions.topics == ["auctions", "bids", "asks"]
