@@ -143,6 +143,10 @@ def _record(label: str, kafka: dict, measured: dict) -> None:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(runs, indent=2) + "\n")
+    _render(runs)
+
+
+def _render(runs: dict) -> None:
     lines = [
         "# A hung broker against a dead one",
         "",
