@@ -85,18 +85,13 @@ class LatestEntry(StatefulProcessor):
         entry = None
         stored = None if key[0] else self.entry.get()  # key[0]: the stream's field is null
         if stored is not None:
-            entry = _as_row(self.entry_schema, stored)
+            entry = _aware(self.entry_schema, stored)  # a Row, as the output takes it
         for row in stream:
             values = {name: row[name] for name in self.stream_columns}
             yield Row(**values, **{self.column: entry})
 
     def close(self) -> None:
         pass
-
-
-def _as_row(schema: StructType, values) -> Row:
-    """A stored entry as the Row the output takes (see `_aware`)."""
-    return _aware(schema, values)
 
 
 def _aware(data_type: DataType, value):

@@ -12,7 +12,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from onceflow.table_lookup import _as_row
+from onceflow.table_lookup import _aware
 
 
 def test_a_stored_timestamp_comes_back_as_the_same_instant_whatever_the_workers_time_zone(
@@ -37,13 +37,13 @@ def test_a_stored_timestamp_comes_back_as_the_same_instant_whatever_the_workers_
             ]
         )
         values = (7, naive_local, (naive_local,), [(naive_local,)], {"web": naive_local})
-        row = _as_row(schema, (*values, naive_local))
+        row = _aware(schema, (*values, naive_local))
         assert row.id == 7
         assert row.joined == instant and row.joined.utcoffset().total_seconds() == 0
         assert row.account.since == instant
         assert row.visits[0].since == instant and row.last_seen == {"web": instant}
         assert row.local == naive_local
-        assert _as_row(schema, (None,) * 6).joined is None
+        assert _aware(schema, (None,) * 6).joined is None
     finally:
         monkeypatch.undo()
         time.tzset()
