@@ -17,7 +17,7 @@ def create_topic(
     partitions: int = 1,
     config: dict[str, str] | None = None,
 ) -> None:
-    """Create a topic if it does not exist yet, and wait until its leaders are known.
+    """Create a topic if it does not exist yet, and wait until its leaders answer for it.
 
     `conf` is a librdkafka config, or just a bootstrap address.
     """
@@ -32,10 +32,24 @@ def create_topic(
             and meta.error is None
             and meta.partitions
             and all(p.leader >= 0 for p in meta.partitions.values())
+            and _leaders_answer(conf, name, list(meta.partitions))
         ):
             return
         time.sleep(0.1)
     raise TimeoutError(f"topic {name!r} has no leader after 30 s; is the broker healthy?")
+
+
+def _leaders_answer(conf: dict[str, str], name: str, partitions: list[int]) -> bool:
+    """Whether each partition's leader answers an offset look-up: on a cluster, the broker
+    that answered the metadata request may know the topic before its leaders do, and a
+    leader that does not know it yet answers UNKNOWN_TOPIC_OR_PART."""
+    try:
+        kafka_clients.high_watermarks(conf, [(name, p) for p in partitions])
+    except KafkaException as exc:
+        if exc.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART or kafka_clients.retriable(exc):
+            return False
+        raise
+    return True
 
 
 @kafka_clients.kafka_request

@@ -53,7 +53,7 @@ if [ -z "${SCHEMA_REGISTRY_URL:-}" ]; then
   "$onceflow" registry start || { echo "run-tests: could not start the local schema registry (see above)" >&2; exit 1; }
 fi
 
-"$VENV/bin/pytest" "$@"
+"$VENV/bin/pytest" --durations=25 "$@"
 status=$?
 if [ "$status" = 5 ]; then
   echo "run-tests: pytest collected no tests; that is a failure, not a pass" >&2
