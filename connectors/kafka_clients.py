@@ -495,7 +495,7 @@ def _list_offsets(
         #    cache, refreshed only every few minutes: after a broker died, every retry would
         #    go to the dead one. A metadata request, which any live broker answers, refreshes
         #    it; if no broker answers it, that is the failure to report.
-        unanswered = _refresh_metadata(conf, {tp.topic for tp in request})
+        unanswered = _refresh_metadata(conf, {tp.topic for tp in request}, exc)
         if unanswered is not None:
             raise unanswered from exc
         # 2. librdkafka's "No leaders found" (_NOENT): a partition between leaders, as while
@@ -532,15 +532,26 @@ def _away_from_a_silent_controller(
     (RD_KAFKA_ADMIN_TARGET_CONTROLLER; on KRaft, a random live broker) and waits for that one
     alone: a broker that hangs would get every retry until the run gives up. A metadata
     request goes to any broker that is up, and its answer names another."""
-    if exc.args and isinstance(exc.args[0], KafkaError) and exc.args[0].code() in NO_ANSWER:
-        unanswered = _refresh_metadata(conf, topics[:1])
+    if _no_answer(exc):
+        unanswered = _refresh_metadata(conf, topics[:1], exc)
         if unanswered is not None:
             raise unanswered from exc
 
 
-def _refresh_metadata(conf: dict[str, str], topics: Iterable[str]) -> KafkaException | None:
-    """Refresh the admin client's metadata of `topics`; the failure of a request that got no
-    answer (no broker reachable), else None."""
+def _refresh_metadata(
+    conf: dict[str, str], topics: Iterable[str], failure: KafkaException
+) -> KafkaException | None:
+    """Refresh the admin client's metadata of `topics` after a request failed with `failure`;
+    the failure of a refresh that got no answer (no broker reachable), else None.
+
+    librdkafka sends a metadata request to the broker it last sent something to (the least
+    idle, `rd_kafka_broker_weight_usable`): after a request that got no answer, likely the
+    broker that did not answer, a leader that hangs. Its answer would come when the request
+    times out, and the next attempt would go to the same node. So after no answer the
+    process' client for `conf` is replaced: a new one asks a broker that answers it."""
+    if _no_answer(failure):
+        with _lock:
+            _admins.pop(_key(conf), None)
     for topic in topics:
         try:
             admin(conf).list_topics(topic, timeout=ATTEMPT_TIMEOUT_S)
@@ -551,6 +562,15 @@ def _refresh_metadata(conf: dict[str, str], topics: Iterable[str]) -> KafkaExcep
         except Exception:  # a refresh is best effort: the request's own error stands
             continue
     return None
+
+
+def _no_answer(exc: BaseException) -> bool:
+    return bool(
+        isinstance(exc, KafkaException)
+        and exc.args
+        and isinstance(exc.args[0], KafkaError)
+        and exc.args[0].code() in NO_ANSWER
+    )
 
 
 def _marked_retriable(error: KafkaError) -> KafkaException:
@@ -584,30 +604,52 @@ def range_consumer(conf: dict[str, str]) -> Consumer:
     key = _key(conf, "range")
     with _lock:
         if key not in _consumers:
-            _consumers[key] = Consumer(
-                {
-                    "fetch.min.bytes": 1,
-                    # librdkafka keeps one fetch in flight per broker: one that the broker
-                    # holds at a range's end delays the next range's first fetch by up to this.
-                    "fetch.wait.max.ms": 5,
-                    # Prefetch about one Arrow batch: what is fetched past a range's end is
-                    # thrown away when the task unassigns the partition.
-                    "queued.min.messages": PREFETCH_MESSAGES,
-                    # librdkafka postpones a partition's next fetch by this much once its queue
-                    # was full, and remembers that across unassign/assign: with the default
-                    # (1 s) one task in three of an epoch waited a second before its first fetch.
-                    "fetch.queue.backoff.ms": 10,
-                    **client_conf(conf),
-                    # Never part of a group: offsets come from Spark's offset log.
-                    "group.id": f"onceflow-range-reader-{uuid.uuid4()}",
-                    "isolation.level": "read_committed",
-                    "enable.auto.commit": False,
-                    "enable.auto.offset.store": False,
-                    "enable.partition.eof": True,
-                    "auto.offset.reset": "error",
-                }
-            )
+            _consumers[key] = _new_range_consumer(conf)
         return _consumers[key]
+
+
+def renewed_range_consumer(conf: dict[str, str], stale: Consumer) -> Consumer:
+    """A new range consumer in place of `stale`, which is closed in the background.
+
+    librdkafka sends a metadata request to the broker it last sent something to: for a
+    consumer whose fetch waits on a leader that hangs, that is the hung one, so asking it
+    which broker leads now waits as long as the fetch does (its request timeout). A new
+    consumer asks the brokers that answer it."""
+    key = _key(conf, "range")
+    with _lock:
+        replaced = _consumers.get(key) in (stale, None)
+        if replaced:
+            _consumers[key] = _new_range_consumer(conf)
+        fresh = _consumers[key]
+    if replaced:
+        threading.Thread(target=stale.close, name="close-stale-consumer", daemon=True).start()
+    return fresh
+
+
+def _new_range_consumer(conf: dict[str, str]) -> Consumer:
+    return Consumer(
+        {
+            "fetch.min.bytes": 1,
+            # librdkafka keeps one fetch in flight per broker: one that the broker
+            # holds at a range's end delays the next range's first fetch by up to this.
+            "fetch.wait.max.ms": 5,
+            # Prefetch about one Arrow batch: what is fetched past a range's end is
+            # thrown away when the task unassigns the partition.
+            "queued.min.messages": PREFETCH_MESSAGES,
+            # librdkafka postpones a partition's next fetch by this much once its queue
+            # was full, and remembers that across unassign/assign: with the default
+            # (1 s) one task in three of an epoch waited a second before its first fetch.
+            "fetch.queue.backoff.ms": 10,
+            **client_conf(conf),
+            # Never part of a group: offsets come from Spark's offset log.
+            "group.id": f"onceflow-range-reader-{uuid.uuid4()}",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "error",
+        }
+    )
 
 
 def commit_group_offsets(conf: dict[str, str], group_id: str, offsets: dict[TP, int]) -> None:

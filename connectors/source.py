@@ -45,6 +45,11 @@ EARLIEST, LATEST = -2, -1  # as in Spark's startingOffsets JSON
 # One Arrow batch per librdkafka prefetch queue's worth of messages.
 ARROW_BATCH_ROWS = kafka_clients.PREFETCH_MESSAGES
 READ_STALL_TIMEOUT_S = 120.0
+# A read that got no record of its range for this long, though the plan saw them committed,
+# is likely fetching from a leader that hangs; it goes on with a new consumer (see
+# _from_a_new_consumer), and again every FETCH_RENEW_EVERY_S while it still gets none.
+FETCH_STALL_S = 1.0
+FETCH_RENEW_EVERY_S = 2.0
 # How long a read waits for a leader whose log holds its range before the range counts as
 # lost, and how often it asks again meanwhile (see _out_of_range).
 BEHIND_LEADER_WAIT_S = 30.0
@@ -462,6 +467,7 @@ def read_range(
     columns = _Columns()
     position = r.start
     last_progress = time.monotonic()
+    renew_after = FETCH_STALL_S  # seconds without progress
     out_of_range_since: float | None = None  # when a broker first said `position` is not in it
     try:
         while position < r.end:
@@ -483,14 +489,19 @@ def read_range(
                     raise KafkaException(err)
             else:  # past gaps (transaction markers, aborted records) the position says more
                 position = max(position, consumer.position([tp])[0].offset)
+            stalled = time.monotonic() - last_progress
             if position > before:
                 last_progress, out_of_range_since = time.monotonic(), None
-            elif time.monotonic() - last_progress > READ_STALL_TIMEOUT_S:
+                renew_after = FETCH_STALL_S
+            elif stalled > READ_STALL_TIMEOUT_S:
                 raise KafkaException(
                     f"reading {r.topic}[{r.partition}] made no progress for "
                     f"{READ_STALL_TIMEOUT_S:.0f}s at offset {position} (range ends at {r.end}); "
                     "is the broker reachable?"
                 )
+            elif stalled >= renew_after:
+                consumer = _from_a_new_consumer(conf, consumer, r, position, stalled)
+                renew_after = stalled + FETCH_RENEW_EVERY_S
             if len(columns) >= ARROW_BATCH_ROWS:
                 yield columns.to_arrow(pa)
                 columns = _Columns()
@@ -498,6 +509,32 @@ def read_range(
             yield columns.to_arrow(pa)
     finally:
         consumer.unassign()
+
+
+def _from_a_new_consumer(
+    conf: dict[str, str], stale, r: OffsetRange, position: int, stalled: float
+):
+    """A new consumer, assigned at `position`, in place of one whose fetches brought nothing.
+
+    A fetch sent to a leader that hangs (SIGSTOP, a frozen host) waits for librdkafka's
+    request timeout, and the metadata request that would name the new leader goes to the
+    same hung broker (librdkafka asks the broker it last sent to). Kafka moves a silent
+    node's partitions after its session timeout; a new consumer learns that from a broker
+    that answers. A slow broker costs only a reconnection."""
+    from confluent_kafka import TopicPartition
+
+    log.warning(
+        "reading %s[%d]: no record for %.1f s at offset %d, though the batch was planned with "
+        "committed records up to %d; its leader may hang: reading on with a new consumer",
+        r.topic,
+        r.partition,
+        stalled,
+        position,
+        r.end,
+    )
+    consumer = kafka_clients.renewed_range_consumer(conf, stale)
+    consumer.assign([TopicPartition(r.topic, r.partition, position)])
+    return consumer
 
 
 def _out_of_range(

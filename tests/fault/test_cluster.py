@@ -105,8 +105,10 @@ def pytest_generate_tests(metafunc) -> None:
 
 
 def test_the_coordinator_dies_in_a_commit_then_hangs_then_every_node_restarts_in_turn(
-    cluster, cluster_pipeline, tmp_path, monkeypatch, running
+    cluster, cluster_pipeline, tmp_path, monkeypatch, running, request
 ):
+    """Then, with --long, the coordinator loses its disk (the short run stays in the suite's
+    time budget)."""
     windowed = cluster_pipeline == "windowed"
     topics = {n: _topic(cluster, n) for n in ("in", "out", "dlq", "late")}
     feeder = Feeder(cluster.bootstrap, topics["in"])  # clicks arrive all along the faults
@@ -173,30 +175,35 @@ def test_the_coordinator_dies_in_a_commit_then_hangs_then_every_node_restarts_in
         cluster.start_node(node, progress=print)
         stalls[f"node {node} stopped cleanly, then started"] = watch.longest_gap(stopping)
 
-    # 4. A node loses its disk: the coordinator, SIGKILLed, comes back with an empty data
-    #    directory and copies every replica from the other two. Then each of those restarts
-    #    in turn, so that the rebuilt node leads partitions: had it come back without data
-    #    that was committed, the reader would see records vanish or go missing.
-    lost = cluster.transaction_coordinator(sink)
-    before, killed = _committed(commits), time.monotonic()
-    cluster.node(lost).kill()
-    shutil.rmtree(cluster.node(lost).data_dir)
-    cluster.start_node(lost, progress=print)
-    _next_commit(service, commits, before)
-    stalls[f"node {lost}, the coordinator, lost its disk, back empty"] = watch.longest_gap(killed)
-    led_by_rebuilt: set[str] = set()
-    for node in range(1, cluster.size + 1):
-        if node != lost:
-            before, stopping = _committed(commits), time.monotonic()
-            cluster.node(node).stop(progress=print)
-            _next_commit(service, commits, before)
-            led_by_rebuilt |= _partitions_led_by(cluster, lost)
-            cluster.start_node(node, progress=print)
-            stalls[f"node {node} restarted, node {lost} rebuilt"] = watch.longest_gap(stopping)
-    watch.stop()
-    print(f"node {lost}, rebuilt, led {len(led_by_rebuilt)} partitions: {sorted(led_by_rebuilt)}")
-    assert led_by_rebuilt & {f"{topics['out']}/{p}" for p in range(3)}, led_by_rebuilt
+    if request.config.getoption("--long"):
+        # 4. A node loses its disk: the coordinator, SIGKILLed, comes back with an empty data
+        #    directory and copies every replica from the other two. Then each of those restarts
+        #    in turn, so that the rebuilt node leads partitions: had it come back without data
+        #    that was committed, the reader would see records vanish or go missing.
+        lost = cluster.transaction_coordinator(sink)
+        before, killed = _committed(commits), time.monotonic()
+        cluster.node(lost).kill()
+        shutil.rmtree(cluster.node(lost).data_dir)
+        cluster.start_node(lost, progress=print)
+        _next_commit(service, commits, before)
+        stalls[f"node {lost}, the coordinator, lost its disk, back empty"] = watch.longest_gap(
+            killed
+        )
+        led_by_rebuilt: set[str] = set()
+        for node in range(1, cluster.size + 1):
+            if node != lost:
+                before, stopping = _committed(commits), time.monotonic()
+                cluster.node(node).stop(progress=print)
+                _next_commit(service, commits, before)
+                led_by_rebuilt |= _partitions_led_by(cluster, lost)
+                cluster.start_node(node, progress=print)
+                stalls[f"node {node} restarted, node {lost} rebuilt"] = watch.longest_gap(stopping)
+        print(
+            f"node {lost}, rebuilt, led {len(led_by_rebuilt)} partitions: {sorted(led_by_rebuilt)}"
+        )
+        assert led_by_rebuilt & {f"{topics['out']}/{p}" for p in range(3)}, led_by_rebuilt
 
+    watch.stop()
     app.events = feeder.stop()
     assert service.terminate() == 0, service.tail()
     # After the stop: the drain that reads it also runs the epoch that closes the windows.
@@ -383,6 +390,21 @@ def test_an_offset_look_up_waiting_for_a_dead_leader_does_not_spin(cluster):
     assert cpu < 0.25 * wall
 
 
+def test_an_offset_look_up_whose_leader_hangs_asks_a_broker_that_answers(cluster):
+    """An offset look-up sent to a leader that hangs gets no answer; the metadata request that
+    should name its successor went to the broker the client last sent to: the hung one, again
+    and again, so the look-up learned nothing until the request timed out (60 s here; 5 s by
+    default, on every attempt)."""
+    topic = _topic(cluster, "hung-look-up")
+    conf = {"bootstrap.servers": cluster.bootstrap, "socket.timeout.ms": "60000"}
+    # The process' admin client for `conf` knows the leader and has sent to it last.
+    assert kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 0}
+    with _leader_paused_after_a_read(cluster, topic, conf):
+        looked_up = time.monotonic()
+        assert kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 20}
+        print(f"the look-up took {time.monotonic() - looked_up:.1f} s")
+
+
 def test_a_read_answered_by_a_leader_that_was_paused_waits_for_its_records_not_skips_them(
     cluster, tmp_path, caplog
 ):
@@ -391,17 +413,65 @@ def test_a_read_answered_by_a_leader_that_was_paused_waits_for_its_records_not_s
     read of records the new leader took meanwhile is told they are past its log. They are
     not gone: the read must deliver them. (It took them for data loss: skipped with
     failOnDataLoss=false, a failed query by default; seen in bench.broker_faults.)"""
-    from onceflow.connectors.source import OffsetRange, read_range
+    from onceflow.connectors.source import OffsetRange
 
     topic = _topic(cluster, "paused-leader")
     conf = {"bootstrap.servers": cluster.bootstrap}
     checkpoint = CheckpointDir(tmp_path / "checkpoint")
+    with _leader_paused_after_a_read(cluster, topic, conf) as paused:
+        waiting = _bytes_waiting_at(paused.port)
+        read: list = []  # the offsets read, or the error the read ended with
+        reader = _reading(read, conf, OffsetRange(topic, 0, 15, 20), checkpoint)
+        with caplog.at_level("WARNING", logger="onceflow.source"):
+            reader.start()
+            # The fetch waits in the paused node's socket: it reads it first thing on resume.
+            wait_until(lambda: _bytes_waiting_at(paused.port) > waiting, 10, "a fetch to it")
+            paused.pause(False)
+            reader.join(60)
+    assert read == [list(range(15, 20))]
+    assert checkpoint.source_stats() == {}  # nothing counted as lost
+    answered = [r.getMessage() for r in caplog.records if "is not in its log" in r.getMessage()]
+    waited = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+    print(f"the paused leader's answers: {answered + waited}")
+    assert answered or waited  # the resumed node did answer out of range
+
+
+def test_a_read_whose_leader_hangs_follows_its_partition_to_the_new_leader(cluster, caplog):
+    """A leader that hangs (SIGSTOP: alive to TCP, answering nothing) holds the fetch sent to
+    it until the client's request timeout, and the metadata request that would name its
+    successor goes to the same node (librdkafka asks the broker it last sent to). Kafka moves
+    its partitions after its session timeout: the read must follow them then, not when its
+    request times out (60 s here; onceflow's 5 s made a hung coordinator cost more than a dead
+    one in bench.broker_faults)."""
+    from onceflow.connectors.source import OffsetRange, read_range
+
+    topic = _topic(cluster, "hung-leader")
+    conf = {"bootstrap.servers": cluster.bootstrap, "socket.timeout.ms": "60000"}
+    paused = _leader_paused_after_a_read(cluster, topic, conf)
+    with caplog.at_level("WARNING", logger="onceflow.source"), paused:
+        read: list = []
+        reader = _reading(read, conf, OffsetRange(topic, 0, 10, 20))
+        reader.start()
+        reader.join(30)
+        assert read == [list(range(10, 20))]  # while the old leader still hangs
+    renewed = [r.getMessage() for r in caplog.records if "new consumer" in r.getMessage()]
+    print(f"the read's stalls: {renewed}")
+    assert renewed
+    assert _offsets(read_range(conf, OffsetRange(topic, 0, 0, 20), False)) == list(range(20))
+
+
+@contextlib.contextmanager
+def _leader_paused_after_a_read(cluster: LocalCluster, topic: str, conf: dict):
+    """Partition 0 of `topic` with 10 records, read through the range consumer of `conf`
+    (which now knows the leader and keeps a connection to it); then its leader paused, a new
+    one elected, and 10 more records written to it (offsets 10-19). Yields the paused node,
+    resumed on leaving."""
+    from onceflow.connectors.source import OffsetRange, read_range
+
     produce(cluster.bootstrap, topic, [(None, b"before", 0)] * 10)
-    # The tasks' consumer is reused: now it knows the leader, and keeps a connection to it.
     assert _offsets(read_range(conf, OffsetRange(topic, 0, 0, 10), False)) == list(range(10))
     leader = _leaders(cluster.bootstrap, topic)[0]
-    others = [n for n in cluster.nodes if n.node_id != leader]
-    live = ",".join(n.bootstrap for n in others)
+    live = ",".join(n.bootstrap for n in cluster.nodes if n.node_id != leader)
     paused = cluster.node(leader)
     paused.pause()
     try:
@@ -413,35 +483,26 @@ def test_a_read_answered_by_a_leader_that_was_paused_waits_for_its_records_not_s
             {"bootstrap.servers": live, "acks": "all", "enable.idempotence": False}
             | {"max.in.flight.requests.per.connection": 1, "linger.ms": 5}
         )
-        for _ in range(10):  # offsets 10-19
+        for _ in range(10):
             writer.produce(topic, value=b"while paused", partition=0)
         assert writer.flush(30) == 0
-        waiting = _bytes_waiting_at(paused.port)
-        read: list = []  # the offsets read, or the error the read ended with
-
-        def read_on() -> None:
-            try:
-                read.append(
-                    _offsets(read_range(conf, OffsetRange(topic, 0, 15, 20), False, checkpoint))
-                )
-            except Exception as exc:
-                read.append(exc)
-
-        reader = threading.Thread(target=read_on)
-        with caplog.at_level("WARNING", logger="onceflow.source"):
-            reader.start()
-            # The fetch waits in the paused node's socket: it reads it first thing on resume.
-            wait_until(lambda: _bytes_waiting_at(paused.port) > waiting, 10, "a fetch to it")
-            paused.pause(False)
-            reader.join(60)
+        yield paused
     finally:
         paused.pause(False)
-    assert read == [list(range(15, 20))]
-    assert checkpoint.source_stats() == {}  # nothing counted as lost
-    answered = [r.getMessage() for r in caplog.records if "is not in its log" in r.getMessage()]
-    waited = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
-    print(f"the paused leader's answers: {answered + waited}")
-    assert answered or waited  # the resumed node did answer out of range
+
+
+def _reading(read: list, conf: dict, r, checkpoint: CheckpointDir | None = None):
+    """A thread that reads range `r` and appends its offsets, or the error it ended with, to
+    `read`."""
+    from onceflow.connectors.source import read_range
+
+    def read_on() -> None:
+        try:
+            read.append(_offsets(read_range(conf, r, False, checkpoint)))
+        except Exception as exc:
+            read.append(exc)
+
+    return threading.Thread(target=read_on, daemon=True)
 
 
 def _offsets(batches) -> list[int]:
