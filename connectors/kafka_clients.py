@@ -78,6 +78,13 @@ def retry_budget_s() -> float:
 
 _lock = threading.Lock()
 _admins: dict[tuple, AdminClient] = {}
+_admins_made: dict[tuple, float] = {}  # when each of _admins was made
+# Admin clients replaced (see _replace_admin), kept until every request made through them has
+# ended: destroying a client fails the futures of its requests still in flight without ever
+# completing them (confluent-kafka's Admin_dealloc; librdkafka drops its queued events).
+_retired_admins: list[tuple[float, AdminClient]] = []
+RETIRED_ADMIN_KEEP_S = 120.0  # beyond every request timeout onceflow sets, and the default
+ADMIN_REPLACED_EVERY_S = 10.0  # at most, per configuration
 _consumers: dict[tuple, Consumer] = {}
 
 
@@ -364,6 +371,7 @@ def admin(conf: dict[str, str]) -> AdminClient:
                 "allow.auto.create.topics": False,
             }
             _admins[key] = AdminClient(settings)
+            _admins_made[key] = time.monotonic()
         return _admins[key]
 
 
@@ -550,8 +558,7 @@ def _refresh_metadata(
     times out, and the next attempt would go to the same node. So after no answer the
     process' client for `conf` is replaced: a new one asks a broker that answers it."""
     if _no_answer(failure):
-        with _lock:
-            _admins.pop(_key(conf), None)
+        _replace_admin(conf)
     for topic in topics:
         try:
             admin(conf).list_topics(topic, timeout=ATTEMPT_TIMEOUT_S)
@@ -562,6 +569,21 @@ def _refresh_metadata(
         except Exception:  # a refresh is best effort: the request's own error stands
             continue
     return None
+
+
+def _replace_admin(conf: dict[str, str]) -> None:
+    """The next admin(conf) makes a new client, unless this one is younger than
+    ADMIN_REPLACED_EVERY_S: a new client never counts a broker that did not answer its first
+    request as up, so one replacement per hang is enough (a refused connection makes no new
+    client at every attempt of an outage). The old one is retired, not destroyed."""
+    key, now = _key(conf), time.monotonic()
+    with _lock:
+        if key not in _admins or now - _admins_made[key] < ADMIN_REPLACED_EVERY_S:
+            return
+        _retired_admins.append((now, _admins.pop(key)))
+        expired = [c for retired, c in _retired_admins if now - retired >= RETIRED_ADMIN_KEEP_S]
+        _retired_admins[:] = [(t, c) for t, c in _retired_admins if now - t < RETIRED_ADMIN_KEEP_S]
+    del expired  # destroyed here, outside the lock: destroying waits for its threads
 
 
 def _no_answer(exc: BaseException) -> bool:

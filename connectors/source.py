@@ -47,9 +47,10 @@ ARROW_BATCH_ROWS = kafka_clients.PREFETCH_MESSAGES
 READ_STALL_TIMEOUT_S = 120.0
 # A read that got no record of its range for this long, though the plan saw them committed,
 # is likely fetching from a leader that hangs; it goes on with a new consumer (see
-# _from_a_new_consumer), and again every FETCH_RENEW_EVERY_S while it still gets none.
-FETCH_STALL_S = 1.0
-FETCH_RENEW_EVERY_S = 2.0
+# _from_a_new_consumer), and again after twice as long each time while it still gets none,
+# so that a slow broker or a slow new connection still gets time to answer.
+FETCH_STALL_S = 2.0
+FETCH_RENEW_MAX_S = 16.0
 # How long a read waits for a leader whose log holds its range before the range counts as
 # lost, and how often it asks again meanwhile (see _out_of_range).
 BEHIND_LEADER_WAIT_S = 30.0
@@ -467,7 +468,7 @@ def read_range(
     columns = _Columns()
     position = r.start
     last_progress = time.monotonic()
-    renew_after = FETCH_STALL_S  # seconds without progress
+    renew_after = renew_wait = FETCH_STALL_S  # seconds without progress
     out_of_range_since: float | None = None  # when a broker first said `position` is not in it
     try:
         while position < r.end:
@@ -492,7 +493,7 @@ def read_range(
             stalled = time.monotonic() - last_progress
             if position > before:
                 last_progress, out_of_range_since = time.monotonic(), None
-                renew_after = FETCH_STALL_S
+                renew_after = renew_wait = FETCH_STALL_S
             elif stalled > READ_STALL_TIMEOUT_S:
                 raise KafkaException(
                     f"reading {r.topic}[{r.partition}] made no progress for "
@@ -500,8 +501,10 @@ def read_range(
                     "is the broker reachable?"
                 )
             elif stalled >= renew_after:
-                consumer = _from_a_new_consumer(conf, consumer, r, position, stalled)
-                renew_after = stalled + FETCH_RENEW_EVERY_S
+                first = renew_wait == FETCH_STALL_S
+                consumer = _from_a_new_consumer(conf, consumer, r, position, stalled, first)
+                renew_wait = min(2 * renew_wait, FETCH_RENEW_MAX_S)
+                renew_after = stalled + renew_wait
             if len(columns) >= ARROW_BATCH_ROWS:
                 yield columns.to_arrow(pa)
                 columns = _Columns()
@@ -512,7 +515,7 @@ def read_range(
 
 
 def _from_a_new_consumer(
-    conf: dict[str, str], stale, r: OffsetRange, position: int, stalled: float
+    conf: dict[str, str], stale, r: OffsetRange, position: int, stalled: float, first: bool
 ):
     """A new consumer, assigned at `position`, in place of one whose fetches brought nothing.
 
@@ -520,12 +523,13 @@ def _from_a_new_consumer(
     request timeout, and the metadata request that would name the new leader goes to the
     same hung broker (librdkafka asks the broker it last sent to). Kafka moves a silent
     node's partitions after its session timeout; a new consumer learns that from a broker
-    that answers. A slow broker costs only a reconnection."""
+    that answers. A slow broker costs only a reconnection. Said once per stall (`first`)."""
     from confluent_kafka import TopicPartition
 
-    log.warning(
+    (log.warning if first else log.info)(
         "reading %s[%d]: no record for %.1f s at offset %d, though the batch was planned with "
-        "committed records up to %d; its leader may hang: reading on with a new consumer",
+        "committed records up to %d; its leader may hang (Kafka moves a silent broker's "
+        "partitions within its session timeout): reading on with a new consumer",
         r.topic,
         r.partition,
         stalled,

@@ -23,10 +23,9 @@ def create_topic(
     """
     conf = _conf(conf)
     _create(conf, NewTopic(name, partitions, -1, config=config or {}))
-    admin = kafka_clients.admin(conf)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        meta = admin.list_topics(name, timeout=5).topics.get(name)
+        meta = kafka_clients.admin(conf).list_topics(name, timeout=5).topics.get(name)
         if (
             meta
             and meta.error is None
@@ -46,7 +45,7 @@ def _leaders_answer(conf: dict[str, str], name: str, partitions: list[int]) -> b
     try:
         kafka_clients.high_watermarks(conf, [(name, p) for p in partitions])
     except KafkaException as exc:
-        if exc.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART or kafka_clients.retriable(exc):
+        if exc.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
             return False
         raise
     return True
