@@ -711,8 +711,11 @@ def _check_fields(config: PipelineConfig) -> None:
 
 
 def _check_lookups(config: PipelineConfig, source: SourceConfig) -> None:
-    """A lookup's field is one of the stream's, and its column (the table's name) is new."""
+    """A lookup's field is one of the stream's, and its column (the table's name) is new,
+    to Spark: which ignores case in column names unless spark.sql.caseSensitive is set."""
     names = config.source_field_names(source)
+    case_sensitive = config.spark_conf.get("spark.sql.caseSensitive", "false").lower() == "true"
+    fold = str if case_sensitive else str.lower
     for lookup in source.lookups:
         path = f"{source.path}.lookup.{lookup.table}"
         if lookup.field not in names:
@@ -721,8 +724,8 @@ def _check_lookups(config: PipelineConfig, source: SourceConfig) -> None:
                 f"field {lookup.field!r} is not in the input schema {names}"
                 f"{_hint(lookup.field, names)}",
             )
-        taken = {name.lower() for name in [*names, *VIEW_COLUMNS]}  # Spark ignores case
-        if lookup.table.lower() in taken:
+        taken = {fold(name) for name in [*names, *VIEW_COLUMNS]}
+        if fold(lookup.table) in taken:
             raise ConfigError(
                 path,
                 f"the view of {source.name!r} has a column {lookup.table!r} already, and the "

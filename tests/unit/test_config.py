@@ -373,6 +373,13 @@ def test_lookup_errors_name_their_field(changes, path, words):
     assert caught.value.path == path and words in str(caught.value), str(caught.value)
 
 
+def test_a_looked_up_column_may_differ_from_a_field_by_case_only_where_spark_tells_case_apart():
+    raw = lookup_with(auctions={"schema": "id LONG, seller LONG, Persons STRING"})
+    raw["spark"] = {"conf": {"spark.sql.caseSensitive": "true"}}
+    (auctions,) = [s for s in parse(raw).sources if s.name == "auctions"]
+    assert [x.table for x in auctions.lookups] == ["persons"]
+
+
 def test_a_table_serves_one_stream():
     raw = lookup_with()
     raw["sources"]["bids"] = {
