@@ -413,7 +413,8 @@ def kafka_request(call):
 def metadata(conf: dict[str, str]):
     try:
         return admin(conf).list_topics(timeout=ATTEMPT_TIMEOUT_S)
-    except KafkaException:
+    except KafkaException as exc:
+        _replaced_after_no_answer(conf, exc)
         raise
     except Exception as exc:  # confluent-kafka raises KafkaException, but be explicit
         raise KafkaException(KafkaError(KafkaError._TRANSPORT, str(exc))) from exc
@@ -422,7 +423,11 @@ def metadata(conf: dict[str, str]):
 @kafka_request
 def topic_metadata(conf: dict[str, str], topic: str):
     """One topic's metadata (None if it does not exist), without listing every topic."""
-    meta = admin(conf).list_topics(topic, timeout=ATTEMPT_TIMEOUT_S).topics.get(topic)
+    try:
+        meta = admin(conf).list_topics(topic, timeout=ATTEMPT_TIMEOUT_S).topics.get(topic)
+    except KafkaException as exc:
+        _replaced_after_no_answer(conf, exc)
+        raise
     if meta is None or meta.error is None:
         return meta
     if meta.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
@@ -557,8 +562,7 @@ def _refresh_metadata(
     broker that did not answer, a leader that hangs. Its answer would come when the request
     times out, and the next attempt would go to the same node. So after no answer the
     process' client for `conf` is replaced: a new one asks a broker that answers it."""
-    if _no_answer(failure):
-        _replace_admin(conf)
+    _replaced_after_no_answer(conf, failure)
     for topic in topics:
         try:
             admin(conf).list_topics(topic, timeout=ATTEMPT_TIMEOUT_S)
@@ -569,6 +573,14 @@ def _refresh_metadata(
         except Exception:  # a refresh is best effort: the request's own error stands
             continue
     return None
+
+
+def _replaced_after_no_answer(conf: dict[str, str], failure: BaseException) -> None:
+    """Replace the process' admin client for `conf` if `failure` is a request that got no
+    answer: its next metadata request would go to the broker it last sent to (the least
+    idle, `rd_kafka_broker_weight_usable`), likely the one that did not answer."""
+    if _no_answer(failure):
+        _replace_admin(conf)
 
 
 def _replace_admin(conf: dict[str, str]) -> None:

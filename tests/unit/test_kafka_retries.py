@@ -214,3 +214,24 @@ def test_an_admin_client_that_got_no_answer_is_replaced_and_kept_until_its_reque
     kafka_clients._admins_made[kafka_clients._key(conf)] -= kafka_clients.ADMIN_REPLACED_EVERY_S
     assert kafka_clients._refresh_metadata(conf, ["in"], refused) is None
     assert kafka_clients.admin(conf) is second  # an answer, even a refusal: the client is fine
+
+
+def test_a_metadata_request_that_got_no_answer_is_asked_again_by_a_new_client(monkeypatch):
+    for name, empty in (("_admins", {}), ("_admins_made", {}), ("_retired_admins", [])):
+        monkeypatch.setattr(kafka_clients, name, empty)
+    monkeypatch.setenv("ONCEFLOW_KAFKA_TIMEOUT", "5")
+    conf = {"bootstrap.servers": "127.0.0.1:1"}  # nothing listens: no request is made here
+    first = kafka_clients.admin(conf)
+    kafka_clients._admins_made[kafka_clients._key(conf)] -= kafka_clients.ADMIN_REPLACED_EVERY_S
+    asked = []
+
+    def list_topics(client, *_, **__):
+        asked.append(client)
+        if len(asked) == 1:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "timed out"))
+        return "metadata"
+
+    monkeypatch.setattr(kafka_clients.AdminClient, "list_topics", list_topics)
+    assert kafka_clients.metadata(conf) == "metadata"
+    assert asked[0] is first and asked[1] is not first
+    assert [client for _, client in kafka_clients._retired_admins] == [first]
