@@ -364,6 +364,7 @@ def admin(conf: dict[str, str]) -> AdminClient:
     long as Kafka takes to move the leader. Consumers and producers reconnect with backoff."""
     with _lock:
         key = _key(conf)
+        expired = _expired_admins()
         if key not in _admins:
             settings = {
                 "enable.sparse.connections": False,  # unless the user chose
@@ -372,7 +373,9 @@ def admin(conf: dict[str, str]) -> AdminClient:
             }
             _admins[key] = AdminClient(settings)
             _admins_made[key] = time.monotonic()
-        return _admins[key]
+        client = _admins[key]
+    del expired  # destroyed here, outside the lock
+    return client
 
 
 def _delivers_logs(call):
@@ -590,12 +593,19 @@ def _replace_admin(conf: dict[str, str]) -> None:
     client at every attempt of an outage). The old one is retired, not destroyed."""
     key, now = _key(conf), time.monotonic()
     with _lock:
-        if key not in _admins or now - _admins_made[key] < ADMIN_REPLACED_EVERY_S:
+        if key not in _admins or now - _admins_made.get(key, 0.0) < ADMIN_REPLACED_EVERY_S:
             return
         _retired_admins.append((now, _admins.pop(key)))
-        expired = [c for retired, c in _retired_admins if now - retired >= RETIRED_ADMIN_KEEP_S]
+
+
+def _expired_admins() -> list[AdminClient]:
+    """Retired clients kept long enough, taken out of the list (under _lock): the caller
+    drops them outside it, since destroying a client waits for its threads."""
+    now = time.monotonic()
+    expired = [c for retired, c in _retired_admins if now - retired >= RETIRED_ADMIN_KEEP_S]
+    if expired:
         _retired_admins[:] = [(t, c) for t, c in _retired_admins if now - t < RETIRED_ADMIN_KEEP_S]
-    del expired  # destroyed here, outside the lock: destroying waits for its threads
+    return expired
 
 
 def _no_answer(exc: BaseException) -> bool:

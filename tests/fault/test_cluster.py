@@ -390,24 +390,6 @@ def test_an_offset_look_up_waiting_for_a_dead_leader_does_not_spin(cluster):
     assert cpu < 0.25 * wall
 
 
-def test_an_offset_look_up_whose_leader_hangs_asks_a_broker_that_answers(cluster):
-    """An offset look-up sent to a leader that hangs gets no answer; the metadata request that
-    should name its successor went to the broker the client last sent to: the hung one, again
-    and again, so the look-up learned nothing until the request timed out (60 s here; 5 s by
-    default, on every attempt)."""
-    topic = _topic(cluster, "hung-look-up")
-    conf = {"bootstrap.servers": cluster.bootstrap, "socket.timeout.ms": "60000"}
-    conf["client.id"] = "hung-look-up"  # clients of its own (the process caches them by conf)
-    # The process' admin client for `conf` knows the leader and has sent to it last.
-    assert kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 0}
-    with _leader_paused_after_a_read(cluster, topic, conf):
-        looked_up = time.monotonic()
-        assert kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 20}
-        took = time.monotonic() - looked_up
-    print(f"the look-up took {took:.1f} s")
-    assert took < 30  # not waiting out the hung node's 60 s, in one request or several
-
-
 def test_a_read_answered_by_a_leader_that_was_paused_waits_for_its_records_not_skips_them(
     cluster, tmp_path, caplog
 ):
@@ -439,27 +421,34 @@ def test_a_read_answered_by_a_leader_that_was_paused_waits_for_its_records_not_s
     assert answered or waited  # the resumed node did answer out of range
 
 
-def test_a_read_whose_leader_hangs_follows_its_partition_to_the_new_leader(cluster, caplog):
-    """A leader that hangs (SIGSTOP: alive to TCP, answering nothing) holds the fetch sent to
-    it until the client's request timeout, and the metadata request that would name its
-    successor goes to the same node (librdkafka asks the broker it last sent to). Kafka moves
-    its partitions after its session timeout: the read must follow them then, not when its
-    request times out (60 s here; onceflow's 5 s made a hung coordinator cost more than a dead
-    one in bench.broker_faults)."""
+def test_look_ups_and_reads_leave_a_leader_that_hangs_for_the_new_one(cluster, caplog):
+    """A leader that hangs (SIGSTOP: alive to TCP, answering nothing) holds what was sent to
+    it until the client's request timeout, and librdkafka sends the metadata request that
+    would name its successor to the broker it last sent to: the hung one, again and again.
+    Kafka moves its partitions after its session timeout; an offset look-up and a read
+    through clients that knew the old leader must follow them then, not when their requests
+    time out (60 s here; onceflow's 5 s, on every attempt, made a hung node cost more than a
+    dead one)."""
     from onceflow.connectors.source import OffsetRange, read_range
 
     topic = _topic(cluster, "hung-leader")
     conf = {"bootstrap.servers": cluster.bootstrap, "socket.timeout.ms": "60000"}
     conf["client.id"] = "hung-leader"  # clients of its own (the process caches them by conf)
+    # The process' admin client for `conf` knows the leader and has sent to it last.
+    assert kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 0}
     paused = _leader_paused_after_a_read(cluster, topic, conf)
     with caplog.at_level("WARNING", logger="onceflow.source"), paused:
+        looked_up = time.monotonic()
+        assert kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 20}
+        took = time.monotonic() - looked_up
         read: list = []
         reader = _reading(read, conf, OffsetRange(topic, 0, 10, 20))
         reader.start()
         reader.join(30)
         assert read == [list(range(10, 20))]  # while the old leader still hangs
     renewed = [r.getMessage() for r in caplog.records if "new consumer" in r.getMessage()]
-    print(f"the read's stalls: {renewed}")
+    print(f"the look-up took {took:.1f} s; the read's stalls: {renewed}")
+    assert took < 30  # not waiting out the hung node's 60 s, in one request or several
     assert renewed
     assert _offsets(read_range(conf, OffsetRange(topic, 0, 0, 20), False)) == list(range(20))
 

@@ -206,7 +206,7 @@ def _killed_then_drained(app: Scenario, pipeline, tmp_path, long: bool, default_
     crashed = app.service(pipeline, available_now=True, fault="after_kafka_commit@3")
     assert crashed.wait() == -signal.SIGKILL, crashed.tail()
     Service.kills += 1
-    kill_each_run_at_random(app, pipeline, 10 if long else 2, default_seed=default_seed)
+    kill_each_run_at_random(app, pipeline, 10 if long else 1, default_seed=default_seed)
     replay = (tmp_path / "run-2.log").read_text(errors="replace")
     assert "batch 3 is already published; replay skipped" in replay, replay[-3000:]
     drain = app.service(pipeline, available_now=True)

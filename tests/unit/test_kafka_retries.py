@@ -199,7 +199,7 @@ def test_an_admin_client_that_got_no_answer_is_replaced_and_kept_until_its_reque
     would leave another thread's futures from it pending for ever."""
     for name, empty in (("_admins", {}), ("_admins_made", {}), ("_retired_admins", [])):
         monkeypatch.setattr(kafka_clients, name, empty)
-    conf = {"bootstrap.servers": "127.0.0.1:1"}  # nothing listens: no request is made here
+    conf = {"bootstrap.servers": "127.0.0.1:1"}  # nothing listens: connections are refused
     first = kafka_clients.admin(conf)
     no_answer = KafkaException(KafkaError(KafkaError._TIMED_OUT, "timed out"))
     kafka_clients._replace_admin(conf)  # made a moment ago: kept
@@ -214,13 +214,19 @@ def test_an_admin_client_that_got_no_answer_is_replaced_and_kept_until_its_reque
     kafka_clients._admins_made[kafka_clients._key(conf)] -= kafka_clients.ADMIN_REPLACED_EVERY_S
     assert kafka_clients._refresh_metadata(conf, ["in"], refused) is None
     assert kafka_clients.admin(conf) is second  # an answer, even a refusal: the client is fine
+    # Once every request made through it has ended, the next look-up lets it go.
+    retired, client = kafka_clients._retired_admins[0]
+    kafka_clients._retired_admins[0] = (retired - kafka_clients.RETIRED_ADMIN_KEEP_S, client)
+    del client
+    assert kafka_clients.admin(conf) is second
+    assert kafka_clients._retired_admins == []
 
 
 def test_a_metadata_request_that_got_no_answer_is_asked_again_by_a_new_client(monkeypatch):
     for name, empty in (("_admins", {}), ("_admins_made", {}), ("_retired_admins", [])):
         monkeypatch.setattr(kafka_clients, name, empty)
     monkeypatch.setenv("ONCEFLOW_KAFKA_TIMEOUT", "5")
-    conf = {"bootstrap.servers": "127.0.0.1:1"}  # nothing listens: no request is made here
+    conf = {"bootstrap.servers": "127.0.0.1:1"}  # nothing listens: connections are refused
     first = kafka_clients.admin(conf)
     kafka_clients._admins_made[kafka_clients._key(conf)] -= kafka_clients.ADMIN_REPLACED_EVERY_S
     asked = []
