@@ -547,7 +547,8 @@ def _away_from_a_silent_controller(
     librdkafka sends these requests to the broker its last metadata answer named controller
     (RD_KAFKA_ADMIN_TARGET_CONTROLLER; on KRaft, a random live broker) and waits for that one
     alone: a broker that hangs would get every retry until the run gives up. A metadata
-    request goes to any broker that is up, and its answer names another."""
+    request from a new client (see _refresh_metadata) goes to a broker that answers, and its
+    answer names another."""
     if _no_answer(exc):
         unanswered = _refresh_metadata(conf, topics[:1], exc)
         if unanswered is not None:
