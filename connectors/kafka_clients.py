@@ -412,12 +412,21 @@ def kafka_request(call):
     return request
 
 
+def _list_topics(conf: dict[str, str], topic: str | None = None):
+    """The admin client's metadata (of `topic`, or of every topic); a client that got no
+    answer is replaced for the next attempt (see _replaced_after_no_answer)."""
+    try:
+        return admin(conf).list_topics(topic, timeout=ATTEMPT_TIMEOUT_S)
+    except KafkaException as exc:
+        _replaced_after_no_answer(conf, exc)
+        raise
+
+
 @kafka_request
 def metadata(conf: dict[str, str]):
     try:
-        return admin(conf).list_topics(timeout=ATTEMPT_TIMEOUT_S)
-    except KafkaException as exc:
-        _replaced_after_no_answer(conf, exc)
+        return _list_topics(conf)
+    except KafkaException:
         raise
     except Exception as exc:  # confluent-kafka raises KafkaException, but be explicit
         raise KafkaException(KafkaError(KafkaError._TRANSPORT, str(exc))) from exc
@@ -426,11 +435,7 @@ def metadata(conf: dict[str, str]):
 @kafka_request
 def topic_metadata(conf: dict[str, str], topic: str):
     """One topic's metadata (None if it does not exist), without listing every topic."""
-    try:
-        meta = admin(conf).list_topics(topic, timeout=ATTEMPT_TIMEOUT_S).topics.get(topic)
-    except KafkaException as exc:
-        _replaced_after_no_answer(conf, exc)
-        raise
+    meta = _list_topics(conf, topic).topics.get(topic)
     if meta is None or meta.error is None:
         return meta
     if meta.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
@@ -571,8 +576,7 @@ def _refresh_metadata(
         try:
             admin(conf).list_topics(topic, timeout=ATTEMPT_TIMEOUT_S)
         except KafkaException as exc:
-            error = exc.args[0] if exc.args else None
-            if isinstance(error, KafkaError) and error.code() in NO_ANSWER:
+            if _no_answer(exc):
                 return exc
         except Exception:  # a refresh is best effort: the request's own error stands
             continue

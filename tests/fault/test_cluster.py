@@ -372,9 +372,7 @@ def test_an_offset_look_up_waiting_for_a_dead_leader_does_not_spin(cluster):
     topic = _topic(cluster, "spin")
     conf = {"bootstrap.servers": cluster.bootstrap}
     partitions = [(topic, p) for p in range(3)]
-    # The client is connected and knows leaders. (A leader may not know a topic created a
-    # moment ago yet: UNKNOWN_TOPIC_OR_PART, seen once in CI.)
-    wait_until(lambda: _offsets_known(conf, partitions), 30, "the new topic's offsets")
+    kafka_clients.stable_ends(conf, partitions)  # the client is connected and knows leaders
     from confluent_kafka.admin import AdminClient
 
     leaders = AdminClient(conf).list_topics(topic, timeout=30).topics[topic].partitions
@@ -523,16 +521,6 @@ def _bytes_waiting_at(port: int) -> int:
             if int(fields[1].rsplit(":", 1)[1], 16) == port:  # local address:port
                 waiting += int(fields[4].split(":")[1], 16)  # tx_queue:rx_queue
     return waiting
-
-
-def _offsets_known(conf: dict, partitions: list) -> bool:
-    from confluent_kafka import KafkaException
-
-    try:
-        kafka_clients.stable_ends(conf, partitions)
-    except KafkaException:
-        return False
-    return True
 
 
 def _cpu_seconds() -> float:

@@ -191,27 +191,41 @@ class Creating(StandInAdmin):
         return type("Metadata", (), {"topics": {topic: meta}})()
 
 
+@pytest.fixture
+def own_admins(monkeypatch):
+    """The process' admin clients emptied for the test; `age(conf)` makes the client of
+    `conf` old enough to be replaced."""
+    for name, empty in (("_admins", {}), ("_admins_made", {}), ("_retired_admins", [])):
+        monkeypatch.setattr(kafka_clients, name, empty)
+
+    def age(conf: dict[str, str]) -> None:
+        kafka_clients._admins_made[kafka_clients._key(conf)] -= kafka_clients.ADMIN_REPLACED_EVERY_S
+
+    return age
+
+
+UNHEARD = {"bootstrap.servers": "127.0.0.1:1"}  # nothing listens: connections are refused
+
+
 def test_an_admin_client_that_got_no_answer_is_replaced_and_kept_until_its_requests_end(
-    monkeypatch,
+    monkeypatch, own_admins
 ):
     """librdkafka asks the broker it last sent to for metadata: after no answer, likely the
     hung one; a new client asks brokers that answer it. The old one is kept: destroying it
     would leave another thread's futures from it pending for ever."""
-    for name, empty in (("_admins", {}), ("_admins_made", {}), ("_retired_admins", [])):
-        monkeypatch.setattr(kafka_clients, name, empty)
-    conf = {"bootstrap.servers": "127.0.0.1:1"}  # nothing listens: connections are refused
+    conf = UNHEARD
     first = kafka_clients.admin(conf)
     no_answer = KafkaException(KafkaError(KafkaError._TIMED_OUT, "timed out"))
     kafka_clients._replace_admin(conf)  # made a moment ago: kept
     assert kafka_clients.admin(conf) is first
-    kafka_clients._admins_made[kafka_clients._key(conf)] -= kafka_clients.ADMIN_REPLACED_EVERY_S
+    own_admins(conf)
     monkeypatch.setattr(kafka_clients.AdminClient, "list_topics", lambda *a, **k: None)
     assert kafka_clients._refresh_metadata(conf, ["in"], no_answer) is None
     second = kafka_clients.admin(conf)
     assert second is not first
     assert [client for _, client in kafka_clients._retired_admins] == [first]
     refused = KafkaException(KafkaError(KafkaError.NOT_LEADER_FOR_PARTITION, "not leader"))
-    kafka_clients._admins_made[kafka_clients._key(conf)] -= kafka_clients.ADMIN_REPLACED_EVERY_S
+    own_admins(conf)
     assert kafka_clients._refresh_metadata(conf, ["in"], refused) is None
     assert kafka_clients.admin(conf) is second  # an answer, even a refusal: the client is fine
     # Once every request made through it has ended, the next look-up lets it go.
@@ -222,13 +236,13 @@ def test_an_admin_client_that_got_no_answer_is_replaced_and_kept_until_its_reque
     assert kafka_clients._retired_admins == []
 
 
-def test_a_metadata_request_that_got_no_answer_is_asked_again_by_a_new_client(monkeypatch):
-    for name, empty in (("_admins", {}), ("_admins_made", {}), ("_retired_admins", [])):
-        monkeypatch.setattr(kafka_clients, name, empty)
+def test_a_metadata_request_that_got_no_answer_is_asked_again_by_a_new_client(
+    monkeypatch, own_admins
+):
     monkeypatch.setenv("ONCEFLOW_KAFKA_TIMEOUT", "5")
-    conf = {"bootstrap.servers": "127.0.0.1:1"}  # nothing listens: connections are refused
+    conf = UNHEARD
     first = kafka_clients.admin(conf)
-    kafka_clients._admins_made[kafka_clients._key(conf)] -= kafka_clients.ADMIN_REPLACED_EVERY_S
+    own_admins(conf)
     asked = []
 
     def list_topics(client, *_, **__):
