@@ -125,6 +125,7 @@ def last_marker(
     sink: str,
     wait_s: float,
     legacy_topic: str | None = None,
+    marker_at: tuple[int, int] | None = None,
 ) -> Marker | None:
     """The newest committed marker of `sink` in `topic`; while `topic` holds none, the newest
     in `legacy_topic` (if that exists).
@@ -132,8 +133,14 @@ def last_marker(
     A tombstone (null value) deletes the sink's history: the app starts over on purpose. It
     counts as a marker, so the legacy topic is not read after it; marker topics keep
     tombstones for ever (MARKER_TOPIC_CONFIG).
+
+    `marker_at` (partition, offset): where a broker acknowledged the caller's last marker. An
+    end of that partition at or below it is not the log's end but the answer of a leader
+    that was paused past its session timeout and does not know yet that it was replaced:
+    read from it, a committed marker would look missing and its epoch be published again.
+    Such an answer is asked again.
     """
-    record = _newest_committed(conf, topic, sink.encode(), wait_s)
+    record = _newest_committed(conf, topic, sink.encode(), wait_s, marker_at)
     if record is None and legacy_topic:
         return legacy_marker(conf, legacy_topic, sink, wait_s)
     return _decoded(record)
@@ -173,7 +180,13 @@ def newest_with_key(
     return None
 
 
-def _newest_committed(conf: dict[str, str], topic: str, key: bytes, wait_s: float):
+def _newest_committed(
+    conf: dict[str, str],
+    topic: str,
+    key: bytes,
+    wait_s: float,
+    marker_at: tuple[int, int] | None = None,
+):
     """The newest committed record with `key` in `topic` (None if there is none).
 
     A `read_committed` reader stops at the first open transaction. A sink's own topic has
@@ -183,7 +196,7 @@ def _newest_committed(conf: dict[str, str], topic: str, key: bytes, wait_s: floa
     settled.
     """
     tps = [(topic, p) for p in _partitions(conf, topic)]
-    ends = _settled_ends(conf, topic, tps, wait_s)
+    ends = _settled_ends(conf, topic, tps, wait_s, marker_at)
     lows = kafka_clients.earliest(conf, tps)
     consumer = Consumer(
         {
@@ -213,10 +226,38 @@ def _newest_committed(conf: dict[str, str], topic: str, key: bytes, wait_s: floa
         consumer.close()
 
 
-def _settled_ends(conf: dict[str, str], topic: str, tps: list[TP], wait_s: float) -> dict:
-    """The stable end of each partition once the transactions open on it now are settled."""
-    written = kafka_clients.high_watermarks(conf, tps)
+def _settled_ends(
+    conf: dict[str, str],
+    topic: str,
+    tps: list[TP],
+    wait_s: float,
+    marker_at: tuple[int, int] | None = None,
+) -> dict:
+    """The stable end of each partition once the transactions open on it now are settled,
+    and past `marker_at` (see last_marker)."""
     deadline = time.monotonic() + wait_s
+    written = kafka_clients.high_watermarks(conf, tps)
+    if marker_at is not None:
+        partition, offset = marker_at
+        if written[topic, partition] <= offset:
+            log.warning(
+                "the leader of %s [%d] says it ends at offset %d, before this sink's marker at "
+                "%d: a leader that hung and does not know yet that it was replaced; asking again",
+                topic,
+                partition,
+                written[topic, partition],
+                offset,
+            )
+        while written[topic, partition] <= offset:
+            if time.monotonic() > deadline:
+                raise OnceflowError(
+                    f"the marker topic {topic!r} [{partition}] still ends at "
+                    f"{written[topic, partition]} after {wait_s:.0f} s, but a broker acknowledged "
+                    f"this sink's marker at offset {offset}: its log lost acknowledged records "
+                    "(an unclean leader election?). Check the brokers, then restart"
+                )
+            time.sleep(0.5)
+            written = kafka_clients.high_watermarks(conf, tps)
     logged = False
     while True:
         ends = kafka_clients.stable_ends(conf, tps)

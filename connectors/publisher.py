@@ -38,6 +38,17 @@ log = logging.getLogger("onceflow.sink")
 
 DEFAULT_TRANSACTION_TIMEOUT_S = 60.0
 MAX_EPOCH_ATTEMPTS = 3
+# A commit that Kafka answers nothing for this long (no record of the epoch acknowledged, no
+# answer to EndTxn) leaves its producer for a new one, once per epoch. librdkafka sends a
+# transaction's requests to the coordinator it found until a request there times out
+# (socket.timeout.ms) and a reconnect's first answer times out too: a coordinator that hangs
+# held commits for ~10 s after Kafka had moved it. A new producer looks the coordinator up
+# afresh, and its init_transactions settles the transaction left open (see Step 5).
+COMMIT_STALL_S = 3.0
+# The commit is waited for in slices (librdkafka resumes it on each call), to watch it; a
+# slice that returns this much later than it should means this process was paused.
+COMMIT_SLICE_S = 0.5
+PAUSED_S = 1.0
 Record = tuple  # (topic, partition | None, key, value, headers | None)
 
 
@@ -86,6 +97,8 @@ class EpochPublisher:
         self.timeout_s = transaction_timeout_s
         self.producer: Producer | None = None
         self.last: Marker | None = None
+        self.marker_topic_ensured = False
+        self.marker_at: tuple[int, int] | None = None  # (partition, offset) of the open epoch's
         self.stats = PublisherStats()
 
     def publish(
@@ -110,10 +123,13 @@ class EpochPublisher:
             "enable.idempotence": True,
         }
 
-    def _start(self) -> Producer:
-        """A producer, then the last marker read after it started (see the subclasses)."""
+    def _start(self, marker_at: tuple[int, int] | None = None) -> Producer:
+        """A producer, then the last marker read after it started (see the subclasses);
+        `marker_at`: where this process' last marker was acknowledged (see last_marker)."""
         if self.producer is None:
-            ensure_marker_topic(self.conf, self.marker_topic)
+            if not self.marker_topic_ensured:  # (not again: its controller may hang now)
+                ensure_marker_topic(self.conf, self.marker_topic)
+                self.marker_topic_ensured = True
             producer = Producer(kafka_clients.client_conf(self.producer_config()))
             with reported_if_stalled(f"sink {self.transactional_id!r}: starting its producer"):
                 self._init(producer)
@@ -124,6 +140,7 @@ class EpochPublisher:
                     self.transactional_id,
                     2 * self.timeout_s,
                     self.legacy_marker_topic,
+                    marker_at=marker_at,
                 )
             self.stats.last_committed_batch = _batch(self.last)
             self.producer = producer
@@ -336,7 +353,9 @@ class TransactionalPublisher(EpochPublisher):
         Step 3. The marker's own batch is a replay: skip it, if its offsets and plan agree
                 (a batch below the marker, or one planned anew, is refused).
         Step 4. In one transaction, produce the results, the side records, then the marker.
-        Step 5. Commit.
+        Step 5. Commit. A commit that Kafka answers nothing for COMMIT_STALL_S is left to a
+                new producer, which settles it as below (once per epoch, not counted as
+                an attempt; the second commit waits for its answer).
         (The sink then removes the epoch's staged side records.)
 
         One branch per error kind:
@@ -350,7 +369,9 @@ class TransactionalPublisher(EpochPublisher):
           out; if not, it is produced again.
         """
         error: KafkaError | None = None
-        for _attempt in range(MAX_EPOCH_ATTEMPTS):
+        attempts, stall_s = 0, COMMIT_STALL_S
+        while attempts < MAX_EPOCH_ATTEMPTS:
+            attempts += 1
             # Step 1
             producer = self._start()
             # Steps 2 and 3
@@ -379,7 +400,7 @@ class TransactionalPublisher(EpochPublisher):
             # Step 5
             try:
                 faults.point("before_kafka_commit", epoch.batch_id)
-                self._commit_transaction(producer, epoch.batch_id)
+                committed = self._commit_transaction(producer, epoch.batch_id, stall_s)
             except KafkaException as exc:
                 error = exc.args[0]
                 fenced = self._is_fenced(error)  # asks librdkafka once: it raises the cause once
@@ -391,13 +412,22 @@ class TransactionalPublisher(EpochPublisher):
                     epoch.batch_id,
                     error,
                 )
-                if self._settled_by_marker(epoch):
+            else:
+                if committed:
+                    faults.point("after_kafka_commit", epoch.batch_id)
                     self._committed(marker, began)
                     return True
-                continue
-            faults.point("after_kafka_commit", epoch.batch_id)
-            self._committed(marker, began)
-            return True
+                log.warning(
+                    "epoch %d: Kafka has answered nothing of the commit for %g s; a new producer "
+                    "looks up the transaction coordinator again (Kafka moves it off a broker "
+                    "that hangs), settles the transaction and reads the marker",
+                    epoch.batch_id,
+                    stall_s,
+                )
+                attempts, stall_s = attempts - 1, None
+            if self._settled_by_marker(epoch):
+                self._committed(marker, began)
+                return True
         raise OnceflowError(
             f"epoch {epoch.batch_id} could not be published in {MAX_EPOCH_ATTEMPTS} attempts "
             f"(last error: {error}); the app stops and replays it on restart. Check the "
@@ -407,13 +437,25 @@ class TransactionalPublisher(EpochPublisher):
     def _produce_epoch(self, producer: Producer, epoch: Epoch) -> Marker:
         count = self._produce_records(producer, epoch.records)
         marker = _marker(self.transactional_id, epoch, count)
-        self._produce_marker(producer, marker)
+        self.marker_at = None
+        key, value = marker.sink.encode(), marker.encode()
+        _produce(producer, self.marker_topic, None, key, value, None, self._marker_acknowledged)
         return marker
 
+    def _marker_acknowledged(self, error: KafkaError | None, message) -> None:
+        """Where the marker was written (librdkafka flushes it before it asks to commit)."""
+        if error is None:
+            self.marker_at = (message.partition(), message.offset())
+
     def _settled_by_marker(self, epoch: Epoch) -> bool:
-        """After a commit of unknown outcome: True if the epoch's marker is committed."""
+        """After a commit of unknown outcome: True if the epoch's marker is committed.
+
+        A commit can have landed only if the marker was acknowledged first, and then the
+        marker read must reach past it: a leader that answers with an older end is one that
+        hung and does not know yet that it was replaced (see last_marker)."""
+        marker_at, self.marker_at = self.marker_at, None
         self._drop_producer()
-        self._start()
+        self._start(marker_at)
         last = self.last
         return (
             last is not None
@@ -422,13 +464,19 @@ class TransactionalPublisher(EpochPublisher):
             and last.source_offsets == epoch.source_offsets
         )
 
-    def _commit_transaction(self, producer: Producer, batch_id: int) -> None:
+    def _commit_transaction(self, producer: Producer, batch_id: int, stall_s: float | None) -> bool:
+        """True once committed; False, the commit left unfinished, if Kafka answered nothing
+        of it for `stall_s` seconds (None: wait for the answer, up to the timeout)."""
         faults.commit_failure("commit_abortable", batch_id)
         with reported_if_stalled(
             f"epoch {batch_id}: the Kafka commit of {self.transactional_id!r}"
         ):
-            producer.commit_transaction(self.timeout_s)
+            if stall_s is None:
+                producer.commit_transaction(self.timeout_s)
+            elif not commit_unless_stalled(producer, self.timeout_s, stall_s):
+                return False
         faults.commit_failure("commit_outcome_unknown", batch_id)
+        return True
 
     def _committed(self, marker: Marker, began: float) -> None:
         self.last = marker
@@ -534,13 +582,37 @@ def _marker(sink: str, epoch: Epoch, records: int) -> Marker:
     return Marker(sink, epoch.batch_id, epoch.query_id, records, epoch.source_offsets, epoch.plan)
 
 
-def _produce(producer: Producer, topic, partition, key, value, headers) -> None:
+def commit_unless_stalled(producer: Producer, timeout_s: float, stall_s: float) -> bool:
+    """commit_transaction, waited for in slices: True once committed; False, the commit left
+    unfinished, once Kafka has acknowledged none of the epoch's records and not answered its
+    EndTxn for `stall_s` seconds that this process ran (a pause of the process is not Kafka's
+    silence: a resumed zombie must meet its fencing, not fence the instance that took over).
+    Raises what commit_transaction raises, and its timeout after `timeout_s`."""
+    began = last = answered = time.monotonic()
+    waiting = len(producer)
+    while True:
+        try:
+            producer.commit_transaction(COMMIT_SLICE_S)
+            return True
+        except KafkaException as exc:
+            now = time.monotonic()
+            if exc.args[0].code() != KafkaError._TIMED_OUT or now - began >= timeout_s:
+                raise
+        if len(producer) < waiting or now - last > COMMIT_SLICE_S + PAUSED_S:
+            answered = now
+        waiting, last = len(producer), now
+        if now - answered >= stall_s:
+            return False
+
+
+def _produce(producer: Producer, topic, partition, key, value, headers, on_delivery=None) -> None:
+    extra = {"on_delivery": on_delivery} if on_delivery is not None else {}
     while True:
         try:
             if partition is None:
-                producer.produce(topic, value, key, headers=headers)
+                producer.produce(topic, value, key, headers=headers, **extra)
             else:
-                producer.produce(topic, value, key, partition, headers=headers)
+                producer.produce(topic, value, key, partition, headers=headers, **extra)
             return
         except BufferError:
             producer.poll(0.05)  # the local queue is full: let deliveries drain

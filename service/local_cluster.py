@@ -71,9 +71,10 @@ class LocalCluster:
     def exists(self) -> bool:
         return (self.directory / "nodes").exists()
 
-    def transaction_coordinator(self, transactional_id: str) -> int:
+    def transaction_coordinator(self, transactional_id: str, bootstrap: str | None = None) -> int:
         """The node leading the `__transaction_state` partition of `transactional_id`
-        (Kafka's `abs(transactionalId.hashCode()) % partitions`): the one to fail in a test."""
+        (Kafka's `abs(transactionalId.hashCode()) % partitions`), as the nodes of `bootstrap`
+        (default: all) see it: the one to fail in a test."""
         from confluent_kafka.admin import AdminClient
 
         code = 0
@@ -81,7 +82,7 @@ class LocalCluster:
             code = (31 * code + ord(char)) & 0xFFFFFFFF
         code = code - 2**32 if code >= 2**31 else code
         partition = (0 if code == -(2**31) else abs(code)) % TRANSACTION_STATE_PARTITIONS
-        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+        admin = AdminClient({"bootstrap.servers": bootstrap or self.bootstrap, "log_level": 0})
         state = admin.list_topics("__transaction_state", timeout=30).topics["__transaction_state"]
         return state.partitions[partition].leader
 

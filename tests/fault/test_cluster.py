@@ -19,15 +19,16 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import KafkaException, Producer
 
 from onceflow.connectors import kafka_clients
 from onceflow.connectors.checkpoint import CheckpointDir
 from onceflow.connectors.markers import last_marker, marker_topic_for
-from onceflow.connectors.topics import create_topic
+from onceflow.connectors.topics import create_topic, read_committed
 from onceflow.local_cluster import LocalCluster
 from onceflow.local_kafka import LocalKafka
 from tests.fault.live_checker import LiveChecker
@@ -282,9 +283,10 @@ def test_a_slow_then_broken_network_between_the_service_and_the_brokers(
         wait_until(lambda: any(proxy.sprung for proxy in proxies), 30, "epoch 8's EndTxn")
         every_link("arm", None)
         wait_until(lambda: _published_batch(cluster, sink) == 8, 30, "epoch 8 on the brokers")
-        wait_until(
-            lambda: "epoch 8: the Kafka commit of" in service.log.read_text(), 30, "stall report"
-        )
+        # The service leaves the unanswered commit to a new producer, which waits for that
+        # node's answer to settle the transaction, and then reads the marker.
+        left = "epoch 8: Kafka has answered nothing of the commit"
+        wait_until(lambda: left in service.log.read_text(), 30, "the commit left unanswered")
         assert _committed(commits) == before  # committed, and the service does not know it
         time.sleep(max(0, 8 - (time.monotonic() - lost)))  # the fault's length
         every_link("release")
@@ -419,36 +421,66 @@ def test_a_read_answered_by_a_leader_that_was_paused_waits_for_its_records_not_s
     assert answered or waited  # the resumed node did answer out of range
 
 
-def test_look_ups_and_reads_leave_a_leader_that_hangs_for_the_new_one(cluster, caplog):
-    """A leader that hangs (SIGSTOP: alive to TCP, answering nothing) holds what was sent to
-    it until the client's request timeout, and librdkafka sends the metadata request that
-    would name its successor to the broker it last sent to: the hung one, again and again.
-    Kafka moves its partitions after its session timeout; an offset look-up and a read
-    through clients that knew the old leader must follow them then, not when their requests
-    time out (60 s here; onceflow's 5 s, on every attempt, made a hung node cost more than a
-    dead one)."""
+def test_look_ups_reads_and_commits_leave_a_node_that_hangs_for_the_new_one(cluster, caplog):
+    """A node that hangs (SIGSTOP: alive to TCP, answering nothing) holds what was sent to it
+    until the client's request timeout (60 s here; onceflow's 5 s made a hung node cost more
+    than a dead one). Kafka moves its partitions and the transactions it coordinates after
+    its session timeout; clients that knew it must follow them then:
+    - an offset look-up, whose metadata request librdkafka sends to the broker it last sent
+      to, the hung one, again and again (a new admin client asks another);
+    - a read (a new range consumer);
+    - a sink's commit, whose producer keeps sending to the coordinator it found (a new
+      producer looks it up again and settles the transaction)."""
+    from onceflow.connectors.publisher import TransactionalPublisher
     from onceflow.connectors.source import OffsetRange, read_range
 
-    topic = _topic(cluster, "hung-leader")
+    topic, out = _topic(cluster, "hung-leader"), _topic(cluster, "hung-coordinator-out")
     conf = {"bootstrap.servers": cluster.bootstrap, "socket.timeout.ms": "60000"}
     conf["client.id"] = "hung-leader"  # clients of its own (the process caches them by conf)
     # The process' admin client for `conf` knows the leader and has sent to it last.
     assert kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 0}
+    # A sink whose transaction coordinator is that leader, with a commit behind it.
+    sink = _sink_coordinated_by(cluster, _leaders(cluster.bootstrap, topic)[0])
+    publisher = TransactionalPublisher(conf, sink, marker_topic_for(sink))
+    sent = [(out, None, None, f"epoch {n}".encode(), None) for n in (0, 1)]
+    assert publisher.publish(0, "q", sent[:1], [{"in": {"0": 1}}])
     paused = _leader_paused_after_a_read(cluster, topic, conf)
-    with caplog.at_level("WARNING", logger="onceflow.source"), paused:
+    with caplog.at_level("WARNING", logger="onceflow"), paused as hung:
         looked_up = time.monotonic()
         assert kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 20}
-        took = time.monotonic() - looked_up
+        look_up_s = time.monotonic() - looked_up
         read: list = []
         reader = _reading(read, conf, OffsetRange(topic, 0, 10, 20))
         reader.start()
         reader.join(30)
         assert read == [list(range(10, 20))]  # while the old leader still hangs
+        live = ",".join(n.bootstrap for n in cluster.nodes if n.port != hung.port)
+        assert cluster.transaction_coordinator(sink, live) != hung.node_id  # Kafka moved it
+        committing = time.monotonic()
+        assert publisher.publish(1, "q", sent[1:], [{"in": {"0": 2}}])
+        commit_s = time.monotonic() - committing
+    cluster.wait_in_sync(progress=print)  # (a resumed leader answers as one until it learns)
     renewed = [r.getMessage() for r in caplog.records if "new consumer" in r.getMessage()]
-    print(f"the look-up took {took:.1f} s; the read's stalls: {renewed}")
-    assert took < 30  # not waiting out the hung node's 60 s, in one request or several
-    assert renewed
+    left = [r.getMessage() for r in caplog.records if "looks up the transaction" in r.getMessage()]
+    print(f"the look-up took {look_up_s:.1f} s, the commit {commit_s:.1f} s; stalls: {renewed}")
+    assert look_up_s < 30 and commit_s < 30  # not waiting out the hung node's 60 s
+    assert renewed and left
     assert _offsets(read_range(conf, OffsetRange(topic, 0, 0, 20), False)) == list(range(20))
+    published = Counter(m.value() for m in read_committed(cluster.bootstrap, out))
+    assert published == {b"epoch 0": 1, b"epoch 1": 1}
+
+
+def _sink_coordinated_by(cluster: LocalCluster, node: int) -> str:
+    """A transactional id whose transaction coordinator is `node`."""
+    with contextlib.suppress(KafkaException):  # __transaction_state made if missing
+        Producer(
+            {"bootstrap.servers": cluster.bootstrap, "transactional.id": "any"}
+        ).init_transactions(30)
+    for n in itertools.count():
+        sink = f"hung-coordinator-{uuid.uuid4().hex[:6]}-{n}"
+        if cluster.transaction_coordinator(sink) == node:
+            return sink
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from onceflow.connectors import markers
 from onceflow.connectors.markers import (
     FIRST_SPAN,
     MAX_TOPIC_NAME,
@@ -78,3 +79,24 @@ def test_an_id_kafka_does_not_allow_in_a_topic_name_gets_a_legal_distinct_name()
         assert len(name) <= MAX_TOPIC_NAME
         assert re.fullmatch(r"[A-Za-z0-9._-]+", name)
     assert marker_topic_for("my app/sink") == marker_topic_for("my app/sink")
+
+
+def test_an_end_before_the_sinks_own_acknowledged_marker_is_asked_again(monkeypatch, caplog):
+    """A leader that hung past its session timeout answers, once resumed and until it learns
+    it was replaced, with the end its log had then: read up to there, a commit that landed
+    would look missing and its epoch be published again."""
+    tps = [("markers", 0)]
+    answers = iter([{tps[0]: 7}, {tps[0]: 7}, {tps[0]: 9}])  # the stale leader twice, then not
+    monkeypatch.setattr(markers.kafka_clients, "high_watermarks", lambda conf, tps: next(answers))
+    monkeypatch.setattr(markers.kafka_clients, "stable_ends", lambda conf, tps: {tps[0]: 9})
+    monkeypatch.setattr(markers.time, "sleep", lambda s: None)
+    with caplog.at_level("WARNING", logger="onceflow.sink"):
+        assert markers._settled_ends({}, "markers", tps, 60, marker_at=(0, 8)) == {tps[0]: 9}
+    assert [r.getMessage() for r in caplog.records] == [
+        "the leader of markers [0] says it ends at offset 7, before this sink's marker at 8: "
+        "a leader that hung and does not know yet that it was replaced; asking again"
+    ]
+    # Without a marker of its own (a start), the first answer is taken.
+    answers = iter([{tps[0]: 7}])
+    monkeypatch.setattr(markers.kafka_clients, "stable_ends", lambda conf, tps: {tps[0]: 7})
+    assert markers._settled_ends({}, "markers", tps, 60) == {tps[0]: 7}

@@ -7,6 +7,7 @@ and the fault suite; here each branch of the protocol is driven on purpose.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
@@ -31,6 +32,11 @@ class FakeBroker:
         self.undeliverable: set[str] = set()  # topics whose records are never acknowledged
         self.commit_errors: list[KafkaError] = []  # raised by commit_transaction, in turn
         self.commit_lands = False  # a failing commit_transaction still committed
+        # Per producer (by index), its commit_transaction calls that time out, in turn: how
+        # long each blocks and how many messages still wait for an answer after it.
+        self.unanswered: dict[int, list[tuple[float, int]]] = {}
+        self.offsets: dict[str, int] = {}  # the last offset acknowledged, per topic
+        self.marker_reads: list[tuple[int, int] | None] = []  # each read's marker_at
 
 
 class FakeProducer:
@@ -38,6 +44,7 @@ class FakeProducer:
         self.broker, self.config = broker, config
         self.pending: list[tuple] = []
         self.transaction: list[tuple] = []
+        self.waiting = 0  # messages the producer holds (len(producer))
         broker.producers.append(self)
 
     def _log(self, *call) -> None:
@@ -50,10 +57,15 @@ class FakeProducer:
         self._log("begin")
         self.transaction = []
 
-    def produce(self, topic, value=None, key=None, partition=None, headers=None) -> None:
+    def produce(
+        self, topic, value=None, key=None, partition=None, headers=None, on_delivery=None
+    ) -> None:
         self._log("produce", topic, value)
         self.pending.append((topic, key, value))
         self.transaction.append((topic, key, value))
+        if on_delivery is not None:  # acknowledged at once, at the next offset of partition 0
+            self.broker.offsets[topic] = self.broker.offsets.get(topic, -1) + 1
+            on_delivery(None, _Message(topic, self.broker.offsets[topic]))
 
     def poll(self, timeout=0) -> int:
         return 0
@@ -74,8 +86,18 @@ class FakeProducer:
         self.pending = []
         return 0
 
+    def __len__(self) -> int:
+        return self.waiting
+
     def commit_transaction(self, timeout=None) -> None:
         self._log("commit")
+        unanswered = self.broker.unanswered.get(self.broker.producers.index(self), [])
+        if unanswered and timeout is not None and timeout < 1:  # a slice of the wait
+            blocked_s, self.waiting = unanswered.pop(0)
+            time.sleep(blocked_s)
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "timed out", retriable=True))
+        time.sleep(sum(blocked_s for blocked_s, _ in unanswered))  # waits for the answer
+        unanswered.clear()
         if self.broker.commit_errors:
             error = self.broker.commit_errors.pop(0)
             if self.broker.commit_lands:
@@ -98,8 +120,11 @@ class FakeProducer:
 
 
 class _Message:
-    def __init__(self, topic: str) -> None:
-        self._topic = topic
+    def __init__(self, topic: str, offset: int = 0) -> None:
+        self._topic, self._offset = topic, offset
+
+    def offset(self) -> int:
+        return self._offset
 
     def topic(self) -> str:
         return self._topic
@@ -113,7 +138,12 @@ def broker(monkeypatch) -> FakeBroker:
     broker = FakeBroker()
     monkeypatch.setattr(publishing, "Producer", lambda config: FakeProducer(broker, config))
     monkeypatch.setattr(publishing, "ensure_marker_topic", lambda conf, topic: None)
-    monkeypatch.setattr(publishing, "last_marker", lambda *_args: broker.marker)
+
+    def last_marker(*_args, marker_at=None):
+        broker.marker_reads.append(marker_at)
+        return broker.marker
+
+    monkeypatch.setattr(publishing, "last_marker", last_marker)
     return broker
 
 
@@ -121,8 +151,9 @@ def records(n: int, topic: str = "out") -> list[tuple]:
     return [(topic, None, None, f"r{i}".encode(), None) for i in range(n)]
 
 
-def exactly_once() -> publishing.TransactionalPublisher:
-    return publishing.TransactionalPublisher({"bootstrap.servers": "fake:9092"}, SINK, MARKERS)
+def exactly_once(timeout_s: float = 60.0) -> publishing.TransactionalPublisher:
+    conf = {"bootstrap.servers": "fake:9092"}
+    return publishing.TransactionalPublisher(conf, SINK, MARKERS, transaction_timeout_s=timeout_s)
 
 
 def at_least_once() -> publishing.AtLeastOncePublisher:
@@ -233,7 +264,7 @@ def test_an_epoch_is_one_transaction_with_the_marker_last(broker):
 def test_a_commit_of_unknown_outcome_that_landed_is_settled_by_the_marker(broker):
     broker.commit_errors = [KafkaError(KafkaError._TIMED_OUT, "timed out", retriable=True)]
     broker.commit_lands = True
-    publisher = exactly_once()
+    publisher = exactly_once(timeout_s=0.0)  # the timeout is over: not waited for again
     assert publisher.publish(0, "q", records(2), OFFSETS)
     # A new producer (init_transactions) read the marker; nothing was produced twice.
     assert [c for c in broker.calls if c[1] == "init_transactions"] == [
@@ -242,11 +273,13 @@ def test_a_commit_of_unknown_outcome_that_landed_is_settled_by_the_marker(broker
     ]
     assert len(produced(broker, "out")) == 2
     assert publisher.stats.transactions_committed == 1
+    # The read after it must reach past where the marker was acknowledged.
+    assert broker.marker_reads == [None, (0, 0)]
 
 
 def test_a_commit_of_unknown_outcome_that_did_not_land_is_produced_again(broker):
     broker.commit_errors = [KafkaError(KafkaError._TIMED_OUT, "timed out", retriable=True)]
-    assert exactly_once().publish(0, "q", records(2), OFFSETS)
+    assert exactly_once(timeout_s=0.0).publish(0, "q", records(2), OFFSETS)
     assert len(broker.producers) == 2  # never retried on the producer whose commit failed
     assert [c[0] for c in broker.calls if c[1] == "commit"] == [0, 1]
     assert broker.marker == Marker(SINK, 0, "q", 2, OFFSETS)
@@ -321,6 +354,51 @@ def test_a_transaction_that_outlived_its_timeout_says_so(broker, monkeypatch):
         exactly_once().publish(0, "q", records(1), OFFSETS)
     assert type(info.value).__name__ == "TransactionTimedOutError"
     assert "open for 100 s, past its timeout of 60 s" in str(info.value)
+
+
+# -- a commit that Kafka leaves unanswered -------------------------------------------------
+
+
+@pytest.fixture
+def quick_stalls(monkeypatch) -> None:
+    monkeypatch.setattr(publishing, "COMMIT_STALL_S", 0.3)
+    monkeypatch.setattr(publishing, "COMMIT_SLICE_S", 0.05)
+    monkeypatch.setattr(publishing, "PAUSED_S", 0.1)
+
+
+def test_a_commit_kafka_leaves_unanswered_goes_to_a_new_producer_once_per_epoch(
+    broker, quick_stalls
+):
+    """Its coordinator hangs: the first producer's commit is never answered. A new producer
+    (which would look the coordinator up again) produces the epoch again and commits it; its
+    own commit, the epoch's second, waits for the answer however long it takes."""
+    broker.unanswered = {0: [(0.05, 3)] * 100, 1: [(0.05, 3)] * 4}  # 5 s, 0.2 s
+    publisher = exactly_once()
+    began = time.monotonic()
+    assert publisher.publish(0, "q", records(2), OFFSETS)
+    assert 0.3 + 0.2 <= time.monotonic() - began < 2.0
+    assert len(broker.producers) == 2
+    assert [c[0] for c in broker.calls if c[1] == "init_transactions"] == [0, 1]
+    commits = [c[0] for c in broker.calls if c[1] == "commit"]
+    assert 0 not in commits[commits.index(1) :]  # the first producer was left for good
+    assert commits.count(1) == 1  # waited for its answer: not left again
+    assert broker.marker == Marker(SINK, 0, "q", 2, OFFSETS)
+    assert publisher.stats.transactions_committed == 1
+
+
+def test_a_commit_kafka_answers_bit_by_bit_is_waited_for(broker, quick_stalls):
+    """A slow link: each slice some records are acknowledged, for longer than a stall."""
+    broker.unanswered = {0: [(0.05, 100 - n) for n in range(20)]}
+    assert exactly_once().publish(0, "q", records(2), OFFSETS)
+    assert len(broker.producers) == 1
+
+
+def test_a_pause_of_the_process_is_not_kafka_leaving_the_commit_unanswered(broker, quick_stalls):
+    """SIGSTOP in a commit: on resume the commit is waited for again, not left to a new
+    producer, whose init_transactions would fence an instance that took over meanwhile."""
+    broker.unanswered = {0: [(0.05, 3)] * 4 + [(0.6, 3)] + [(0.05, 3)] * 4}
+    assert exactly_once().publish(0, "q", records(2), OFFSETS)
+    assert len(broker.producers) == 1
 
 
 # -- the producer's timeouts --------------------------------------------------------------
