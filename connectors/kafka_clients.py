@@ -86,6 +86,7 @@ _retired_admins: list[tuple[float, AdminClient]] = []
 RETIRED_ADMIN_KEEP_S = 120.0  # beyond every request timeout onceflow sets, and the default
 ADMIN_REPLACED_EVERY_S = 10.0  # at most, per configuration
 _consumers: dict[tuple, Consumer] = {}
+_group_commits: dict[tuple, GroupCommits] = {}
 
 
 def _key(conf: dict[str, str], *extra: object) -> tuple:
@@ -704,21 +705,45 @@ def _new_range_consumer(conf: dict[str, str]) -> Consumer:
 def commit_group_offsets(conf: dict[str, str], group_id: str, offsets: dict[TP, int]) -> None:
     """Commit `offsets` for `group_id`, so that lag tooling shows the query's progress.
 
-    Best effort: Spark's offset log is the truth; a failure here is logged, not raised.
+    Best effort, in the background: Spark's offset log is the truth, and Spark calls this
+    between writing an epoch's offsets and planning it, so a commit that waited for the
+    group's coordinator held the pipeline (13 s while that broker hung). See GroupCommits.
     """
     key = _key(conf, "group", group_id)
     with _lock:
-        if key not in _consumers:
-            _consumers[key] = Consumer(
-                client_conf({**conf, "group.id": group_id, "enable.auto.commit": False})
-            )
-        consumer = _consumers[key]
-    try:
-        consumer.commit(
-            offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
-            asynchronous=False,
+        if key not in _group_commits:
+            _group_commits[key] = GroupCommits(conf, group_id)
+        commits = _group_commits[key]
+    commits.commit(offsets)
+
+
+class GroupCommits:
+    """A consumer group's offset commits, sent one at a time: the newest offsets wait until
+    the commit before them is answered, and replace offsets that waited before them. Commits
+    sent side by side can land out of order (librdkafka retries one while a newer one goes
+    ahead), and lag tools would see the group's offsets go backwards."""
+
+    def __init__(self, conf: dict[str, str], group_id: str) -> None:
+        self.group_id = group_id
+        self.waiting: dict[TP, int] | None = None
+        self.in_flight = False
+        settings = {**conf, "group.id": group_id, "enable.auto.commit": False}
+        # It never joins the group: this only bounds how long a commit waits for a
+        # coordinator (librdkafka's default, 45 s, would also hold the process' exit).
+        settings.setdefault("session.timeout.ms", 10_000)
+        self.consumer = Consumer(client_conf(settings) | {"on_commit": self._answered})
+
+    def commit(self, offsets: dict[TP, int]) -> None:
+        self.waiting = offsets
+        self.consumer.poll(0)  # the answer to the last commit, and queued log lines
+        if self.in_flight:
+            return
+        sent, self.waiting, self.in_flight = self.waiting, None, True
+        self.consumer.commit(
+            offsets=[TopicPartition(t, p, o) for (t, p), o in sent.items()], asynchronous=True
         )
-    except KafkaException as exc:
-        log.warning("could not commit offsets to consumer group %s: %s", group_id, exc)
-    finally:
-        consumer.poll(0)  # delivers its queued log lines (nothing is assigned: no messages)
+
+    def _answered(self, error: KafkaError | None, _partitions) -> None:
+        self.in_flight = False
+        if error is not None:
+            log.warning("could not commit offsets to consumer group %s: %s", self.group_id, error)

@@ -43,8 +43,10 @@ MAX_EPOCH_ATTEMPTS = 3
 # transaction's requests to the coordinator it found until a request there times out
 # (socket.timeout.ms) and a reconnect's first answer times out too: a coordinator that hangs
 # held commits for ~10 s after Kafka had moved it. A new producer looks the coordinator up
-# afresh, and its init_transactions settles the transaction left open (see Step 5).
-COMMIT_STALL_S = 3.0
+# afresh, and its init_transactions settles the transaction left open (see Step 5). Longer
+# than a broker may hold a produce for its in-sync replicas before it answers (a live cluster
+# that is slow is waited for).
+COMMIT_STALL_S = kafka_clients.PRODUCE_WAIT_MS / 1000 + 1.0
 # The commit is waited for in slices (librdkafka resumes it on each call), to watch it; a
 # slice that returns this much later than it should means this process was paused.
 COMMIT_SLICE_S = 0.5
@@ -355,7 +357,8 @@ class TransactionalPublisher(EpochPublisher):
         Step 4. In one transaction, produce the results, the side records, then the marker.
         Step 5. Commit. A commit that Kafka answers nothing for COMMIT_STALL_S is left to a
                 new producer, which settles it as below (once per epoch, not counted as
-                an attempt; the second commit waits for its answer).
+                an attempt; the second commit waits for its answer). A commit this process
+                was paused in is never settled by a new producer (see commit_unless_stalled).
         (The sink then removes the epoch's staged side records.)
 
         One branch per error kind:
@@ -453,9 +456,9 @@ class TransactionalPublisher(EpochPublisher):
         A commit can have landed only if the marker was acknowledged first, and then the
         marker read must reach past it: a leader that answers with an older end is one that
         hung and does not know yet that it was replaced (see last_marker)."""
-        marker_at, self.marker_at = self.marker_at, None
         self._drop_producer()
-        self._start(marker_at)
+        self._start(self.marker_at)
+        self.marker_at = None
         last = self.last
         return (
             last is not None
@@ -471,9 +474,7 @@ class TransactionalPublisher(EpochPublisher):
         with reported_if_stalled(
             f"epoch {batch_id}: the Kafka commit of {self.transactional_id!r}"
         ):
-            if stall_s is None:
-                producer.commit_transaction(self.timeout_s)
-            elif not commit_unless_stalled(producer, self.timeout_s, stall_s):
+            if not commit_unless_stalled(producer, self.timeout_s, stall_s):
                 return False
         faults.commit_failure("commit_outcome_unknown", batch_id)
         return True
@@ -582,27 +583,46 @@ def _marker(sink: str, epoch: Epoch, records: int) -> Marker:
     return Marker(sink, epoch.batch_id, epoch.query_id, records, epoch.source_offsets, epoch.plan)
 
 
-def commit_unless_stalled(producer: Producer, timeout_s: float, stall_s: float) -> bool:
+def commit_unless_stalled(producer: Producer, timeout_s: float, stall_s: float | None) -> bool:
     """commit_transaction, waited for in slices: True once committed; False, the commit left
     unfinished, once Kafka has acknowledged none of the epoch's records and not answered its
-    EndTxn for `stall_s` seconds that this process ran (a pause of the process is not Kafka's
-    silence: a resumed zombie must meet its fencing, not fence the instance that took over).
-    Raises what commit_transaction raises, and its timeout after `timeout_s`."""
+    EndTxn for `stall_s` seconds (None: wait up to `timeout_s`, then raise its timeout).
+
+    A slice that returns late means this process was paused (SIGSTOP, a frozen VM), not that
+    Kafka was silent. Another instance may have taken the checkpoint over meanwhile, and a
+    new producer's init_transactions would fence it; so a commit that Kafka does not answer
+    within `COMMIT_STALL_S` of the resume ends the run instead (its restart settles the
+    transaction, or is refused while the other instance holds the checkpoint's lease).
+    """
     began = last = answered = time.monotonic()
-    waiting = len(producer)
+    waiting, paused = len(producer), False
     while True:
         try:
             producer.commit_transaction(COMMIT_SLICE_S)
             return True
         except KafkaException as exc:
-            now = time.monotonic()
-            if exc.args[0].code() != KafkaError._TIMED_OUT or now - began >= timeout_s:
+            if exc.args[0].code() != KafkaError._TIMED_OUT:
                 raise
-        if len(producer) < waiting or now - last > COMMIT_SLICE_S + PAUSED_S:
+            timed_out = exc
+        producer.poll(0)  # its queued log lines and errors count in len() too
+        now = time.monotonic()
+        if now - last > COMMIT_SLICE_S + PAUSED_S:
+            paused, answered = True, now
+        elif len(producer) < waiting:
             answered = now
         waiting, last = len(producer), now
-        if now - answered >= stall_s:
+        if paused and now - answered >= COMMIT_STALL_S:
+            raise OnceflowError(
+                "this process was paused in a Kafka commit, and Kafka has not answered it since "
+                f"it resumed {now - answered:.0f} s ago: the run stops rather than settle the "
+                "transaction with a new producer, which would fence an instance that took the "
+                "app over meanwhile. A restart settles it (the checkpoint's lease refuses the "
+                "restart while another instance runs the app)."
+            )
+        if not paused and stall_s is not None and now - answered >= stall_s:
             return False
+        if not paused and now - began >= timeout_s:
+            raise timed_out
 
 
 def _produce(producer: Producer, topic, partition, key, value, headers, on_delivery=None) -> None:

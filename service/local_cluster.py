@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .local_kafka import (
-    TRANSACTION_STATE_PARTITIONS,
+    INTERNAL_TOPIC_PARTITIONS,
     LocalKafka,
     LocalKafkaError,
     new_cluster_id,
@@ -72,19 +72,26 @@ class LocalCluster:
         return (self.directory / "nodes").exists()
 
     def transaction_coordinator(self, transactional_id: str, bootstrap: str | None = None) -> int:
-        """The node leading the `__transaction_state` partition of `transactional_id`
-        (Kafka's `abs(transactionalId.hashCode()) % partitions`), as the nodes of `bootstrap`
-        (default: all) see it: the one to fail in a test."""
+        """The node that coordinates `transactional_id`'s transactions, as the nodes of
+        `bootstrap` (default: all) see it: the one to fail in a test."""
+        return self._coordinator("__transaction_state", transactional_id, bootstrap)
+
+    def group_coordinator(self, group_id: str, bootstrap: str | None = None) -> int:
+        """The node that coordinates consumer group `group_id` (its committed offsets)."""
+        return self._coordinator("__consumer_offsets", group_id, bootstrap)
+
+    def _coordinator(self, topic: str, key: str, bootstrap: str | None) -> int:
+        """The leader of `topic`'s partition for `key`, Kafka's `abs(key.hashCode()) %
+        partitions` (both internal topics have INTERNAL_TOPIC_PARTITIONS here)."""
         from confluent_kafka.admin import AdminClient
 
         code = 0
-        for char in transactional_id:
+        for char in key:
             code = (31 * code + ord(char)) & 0xFFFFFFFF
         code = code - 2**32 if code >= 2**31 else code
-        partition = (0 if code == -(2**31) else abs(code)) % TRANSACTION_STATE_PARTITIONS
+        partition = (0 if code == -(2**31) else abs(code)) % INTERNAL_TOPIC_PARTITIONS
         admin = AdminClient({"bootstrap.servers": bootstrap or self.bootstrap, "log_level": 0})
-        state = admin.list_topics("__transaction_state", timeout=30).topics["__transaction_state"]
-        return state.partitions[partition].leader
+        return admin.list_topics(topic, timeout=30).topics[topic].partitions[partition].leader
 
     def running(self) -> list[int]:
         """The ids of the nodes whose process runs."""

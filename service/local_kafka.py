@@ -42,7 +42,7 @@ DEFAULT_PORT = 9092
 CLUSTER_CONTROLLER_OFFSET = 10
 PROXIED_LISTENER_OFFSET = 5
 START_TIMEOUT_S = 90.0
-TRANSACTION_STATE_PARTITIONS = 4  # few: a node's start loads each one
+INTERNAL_TOPIC_PARTITIONS = 4  # of the offsets and transaction logs: a node's start loads each
 STOP_TIMEOUT_S = 30.0
 
 POM = f"""<?xml version="1.0" encoding="UTF-8"?>
@@ -409,10 +409,10 @@ class LocalKafka:
                     f"default.replication.factor={replicas}",
                     f"min.insync.replicas={min_isr}",
                     f"offsets.topic.replication.factor={replicas}",
-                    "offsets.topic.num.partitions=4",
+                    f"offsets.topic.num.partitions={INTERNAL_TOPIC_PARTITIONS}",
                     f"transaction.state.log.replication.factor={replicas}",
                     f"transaction.state.log.min.isr={min_isr}",
-                    f"transaction.state.log.num.partitions={TRANSACTION_STATE_PARTITIONS}",
+                    f"transaction.state.log.num.partitions={INTERNAL_TOPIC_PARTITIONS}",
                     f"share.coordinator.state.topic.replication.factor={replicas}",
                     f"share.coordinator.state.topic.min.isr={min_isr}",
                     "group.initial.rebalance.delay.ms=0",

@@ -20,10 +20,11 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from onceflow.connectors import kafka_clients
 from onceflow.connectors.checkpoint import CheckpointDir
@@ -430,7 +431,9 @@ def test_look_ups_reads_and_commits_leave_a_node_that_hangs_for_the_new_one(clus
       to, the hung one, again and again (a new admin client asks another);
     - a read (a new range consumer);
     - a sink's commit, whose producer keeps sending to the coordinator it found (a new
-      producer looks it up again and settles the transaction)."""
+      producer looks it up again and settles the transaction);
+    - the source's commit of its consumer group's offsets (for lag tooling), which Spark
+      calls between two epochs: in the background, it must not hold the pipeline."""
     from onceflow.connectors.publisher import TransactionalPublisher
     from onceflow.connectors.source import OffsetRange, read_range
 
@@ -439,11 +442,19 @@ def test_look_ups_reads_and_commits_leave_a_node_that_hangs_for_the_new_one(clus
     conf["client.id"] = "hung-leader"  # clients of its own (the process caches them by conf)
     # The process' admin client for `conf` knows the leader and has sent to it last.
     assert kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 0}
-    # A sink whose transaction coordinator is that leader, with a commit behind it.
-    sink = _sink_coordinated_by(cluster, _leaders(cluster.bootstrap, topic)[0])
+    # A sink and a consumer group that the leader coordinates, each with a commit behind it.
+    leader = _leaders(cluster.bootstrap, topic)[0]
+    # (Kafka makes its transaction and offsets logs at their first use.)
+    first = Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": "any"})
+    first.init_transactions(30)
+    _group_offset(cluster, "any", topic)
+    sink = _coordinated_by(leader, cluster.transaction_coordinator)
     publisher = TransactionalPublisher(conf, sink, marker_topic_for(sink))
     sent = [(out, None, None, f"epoch {n}".encode(), None) for n in (0, 1)]
     assert publisher.publish(0, "q", sent[:1], [{"in": {"0": 1}}])
+    group = _coordinated_by(leader, cluster.group_coordinator)
+    kafka_clients.commit_group_offsets(conf, group, {(topic, 0): 10})
+    wait_until(lambda: _group_offset(cluster, group, topic) == 10, 30, "the group's offset")
     paused = _leader_paused_after_a_read(cluster, topic, conf)
     with caplog.at_level("WARNING", logger="onceflow"), paused as hung:
         looked_up = time.monotonic()
@@ -459,28 +470,43 @@ def test_look_ups_reads_and_commits_leave_a_node_that_hangs_for_the_new_one(clus
         committing = time.monotonic()
         assert publisher.publish(1, "q", sent[1:], [{"in": {"0": 2}}])
         commit_s = time.monotonic() - committing
+        committing = time.monotonic()
+        kafka_clients.commit_group_offsets(conf, group, {(topic, 0): 20})
+        group_commit_s = time.monotonic() - committing
     cluster.wait_in_sync(progress=print)  # (a resumed leader answers as one until it learns)
     renewed = [r.getMessage() for r in caplog.records if "new consumer" in r.getMessage()]
     left = [r.getMessage() for r in caplog.records if "looks up the transaction" in r.getMessage()]
-    print(f"the look-up took {look_up_s:.1f} s, the commit {commit_s:.1f} s; stalls: {renewed}")
+    print(
+        f"the look-up took {look_up_s:.1f} s, the commit {commit_s:.1f} s, the group's commit "
+        f"{group_commit_s:.1f} s; stalls: {renewed}"
+    )
     assert look_up_s < 30 and commit_s < 30  # not waiting out the hung node's 60 s
+    assert group_commit_s < 1
     assert renewed and left
     assert _offsets(read_range(conf, OffsetRange(topic, 0, 0, 20), False)) == list(range(20))
     published = Counter(m.value() for m in read_committed(cluster.bootstrap, out))
     assert published == {b"epoch 0": 1, b"epoch 1": 1}
+    kafka_clients.commit_group_offsets(conf, group, {(topic, 0): 20})  # (as the next epoch does)
+    wait_until(lambda: _group_offset(cluster, group, topic) == 20, 60, "the group's new offset")
 
 
-def _sink_coordinated_by(cluster: LocalCluster, node: int) -> str:
-    """A transactional id whose transaction coordinator is `node`."""
-    with contextlib.suppress(KafkaException):  # __transaction_state made if missing
-        Producer(
-            {"bootstrap.servers": cluster.bootstrap, "transactional.id": "any"}
-        ).init_transactions(30)
+def _coordinated_by(node: int, coordinator: Callable[[str], int]) -> str:
+    """A transactional id or group id whose coordinator (LocalCluster.transaction_coordinator
+    or group_coordinator) is `node`."""
     for n in itertools.count():
-        sink = f"hung-coordinator-{uuid.uuid4().hex[:6]}-{n}"
-        if cluster.transaction_coordinator(sink) == node:
-            return sink
+        key = f"hung-coordinator-{uuid.uuid4().hex[:6]}-{n}"
+        if coordinator(key) == node:
+            return key
     raise AssertionError("unreachable")
+
+
+def _group_offset(cluster: LocalCluster, group: str, topic: str) -> int:
+    """The offset consumer group `group` committed for partition 0 of `topic`."""
+    consumer = Consumer({"bootstrap.servers": cluster.bootstrap, "group.id": group})
+    try:
+        return consumer.committed([TopicPartition(topic, 0)], timeout=10)[0].offset
+    finally:
+        consumer.close()
 
 
 @contextlib.contextmanager

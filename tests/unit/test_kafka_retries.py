@@ -255,3 +255,39 @@ def test_a_metadata_request_that_got_no_answer_is_asked_again_by_a_new_client(
     assert kafka_clients.metadata(conf) == "metadata"
     assert asked[0] is first and asked[1] is not first
     assert [client for _, client in kafka_clients._retired_admins] == [first]
+
+
+class StandInGroupConsumer:
+    """Takes commits and answers each at the poll after `answer()`."""
+
+    def __init__(self, config: dict) -> None:
+        self.on_commit = config["on_commit"]
+        self.sent: list[list[int]] = []
+        self.answers: list[KafkaError | None] = []
+
+    def commit(self, offsets, asynchronous):
+        assert asynchronous  # never waits for the group's coordinator
+        self.sent.append([tp.offset for tp in offsets])
+
+    def answer(self, error: KafkaError | None = None) -> None:
+        self.answers.append(error)
+
+    def poll(self, timeout):
+        while self.answers:
+            self.on_commit(self.answers.pop(0), [])
+
+
+def test_a_groups_offsets_are_committed_one_at_a_time_the_newest_waiting(monkeypatch, caplog):
+    """Commits sent side by side can land out of order (librdkafka retries one while a newer
+    one goes ahead): lag tools would see the group's offsets go backwards."""
+    monkeypatch.setattr(kafka_clients, "Consumer", StandInGroupConsumer)
+    group = "group-one-at-a-time"
+    for offset in (10, 20, 30):  # 20 and 30 while 10 is unanswered: 30 waits, 20 is dropped
+        kafka_clients.commit_group_offsets(CONF, group, {("in", 0): offset})
+    consumer = kafka_clients._group_commits[kafka_clients._key(CONF, "group", group)].consumer
+    assert consumer.sent == [[10]]
+    consumer.answer(KafkaError(KafkaError._TIMED_OUT, "no answer"))
+    with caplog.at_level("WARNING", logger="onceflow.kafka"):
+        kafka_clients.commit_group_offsets(CONF, group, {("in", 0): 40})
+    assert consumer.sent == [[10], [40]]
+    assert "could not commit offsets to consumer group group-one-at-a-time" in caplog.text

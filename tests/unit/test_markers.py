@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from types import SimpleNamespace
+
+import pytest
 
 from onceflow.connectors import markers
+from onceflow.connectors.errors import OnceflowError
 from onceflow.connectors.markers import (
     FIRST_SPAN,
     MAX_TOPIC_NAME,
@@ -83,20 +87,48 @@ def test_an_id_kafka_does_not_allow_in_a_topic_name_gets_a_legal_distinct_name()
 
 def test_an_end_before_the_sinks_own_acknowledged_marker_is_asked_again(monkeypatch, caplog):
     """A leader that hung past its session timeout answers, once resumed and until it learns
-    it was replaced, with the end its log had then: read up to there, a commit that landed
+    it was replaced, with the ends its log had then: read up to there, a commit that landed
     would look missing and its epoch be published again."""
-    tps = [("markers", 0)]
-    answers = iter([{tps[0]: 7}, {tps[0]: 7}, {tps[0]: 9}])  # the stale leader twice, then not
-    monkeypatch.setattr(markers.kafka_clients, "high_watermarks", lambda conf, tps: next(answers))
-    monkeypatch.setattr(markers.kafka_clients, "stable_ends", lambda conf, tps: {tps[0]: 9})
-    monkeypatch.setattr(markers.time, "sleep", lambda s: None)
+    tp = ("markers", 0)
+    leaders = Leaders([7, 7, 9])  # the stale leader twice, then the new one
+    leaders.patch(monkeypatch)
     with caplog.at_level("WARNING", logger="onceflow.sink"):
-        assert markers._settled_ends({}, "markers", tps, 60, marker_at=(0, 8)) == {tps[0]: 9}
+        assert markers._settled_ends({}, "markers", [tp], 60, marker_at=(0, 8)) == {tp: 9}
+    assert leaders.asked == 3
     assert [r.getMessage() for r in caplog.records] == [
         "the leader of markers [0] says it ends at offset 7, before this sink's marker at 8: "
         "a leader that hung and does not know yet that it was replaced; asking again"
     ]
-    # Without a marker of its own (a start), the first answer is taken.
-    answers = iter([{tps[0]: 7}])
-    monkeypatch.setattr(markers.kafka_clients, "stable_ends", lambda conf, tps: {tps[0]: 7})
-    assert markers._settled_ends({}, "markers", tps, 60) == {tps[0]: 7}
+    # Without a marker of its own (at a start), the first answer is taken.
+    Leaders([7]).patch(monkeypatch)
+    assert markers._settled_ends({}, "markers", [tp], 60) == {tp: 7}
+
+
+def test_a_log_that_stays_before_the_sinks_acknowledged_marker_stops_the_read(monkeypatch):
+    Leaders([7] * 1000).patch(monkeypatch)
+    with pytest.raises(OnceflowError, match="broker acknowledged this sink's marker at offset 8"):
+        markers._settled_ends({}, "markers", [("markers", 0)], 60, marker_at=(0, 8))
+
+
+class Leaders:
+    """The marker partition's leader as the look-ups see it: each answer gives the end of
+    its log, high watermark and stable end alike (no transaction open)."""
+
+    def __init__(self, ends: list[int]) -> None:
+        self.ends, self.asked, self.clock = ends, 0, 0.0
+
+    def high_watermarks(self, conf, tps) -> dict:
+        self.asked += 1
+        return {tps[0]: self.ends[self.asked - 1]}
+
+    def stable_ends(self, conf, tps) -> dict:
+        return {tps[0]: self.ends[self.asked - 1]}
+
+    def sleep(self, seconds: float) -> None:
+        self.clock += seconds
+
+    def patch(self, monkeypatch) -> None:
+        monkeypatch.setattr(markers.kafka_clients, "high_watermarks", self.high_watermarks)
+        monkeypatch.setattr(markers.kafka_clients, "stable_ends", self.stable_ends)
+        clock = SimpleNamespace(sleep=self.sleep, monotonic=lambda: self.clock)
+        monkeypatch.setattr(markers, "time", clock)

@@ -7,7 +7,6 @@ and the fault suite; here each branch of the protocol is driven on purpose.
 from __future__ import annotations
 
 import contextlib
-import time
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
@@ -20,6 +19,19 @@ from onceflow.connectors.markers import Marker
 MARKERS = "markers"
 SINK = "onceflow-app-out"
 OFFSETS = [{"in": {"0": 10, "1": 12}}]
+
+
+class FakeClock:
+    """The publisher's time: a blocked call moves it on, so waits of seconds take none."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
 
 
 class FakeBroker:
@@ -35,6 +47,7 @@ class FakeBroker:
         # Per producer (by index), its commit_transaction calls that time out, in turn: how
         # long each blocks and how many messages still wait for an answer after it.
         self.unanswered: dict[int, list[tuple[float, int]]] = {}
+        self.clock = FakeClock()
         self.offsets: dict[str, int] = {}  # the last offset acknowledged, per topic
         self.marker_reads: list[tuple[int, int] | None] = []  # each read's marker_at
 
@@ -92,12 +105,12 @@ class FakeProducer:
     def commit_transaction(self, timeout=None) -> None:
         self._log("commit")
         unanswered = self.broker.unanswered.get(self.broker.producers.index(self), [])
-        if unanswered and timeout is not None and timeout < 1:  # a slice of the wait
+        if unanswered:
+            if self.broker.commit_lands:  # the EndTxn reached the coordinator; its answer not
+                self._land()
             blocked_s, self.waiting = unanswered.pop(0)
-            time.sleep(blocked_s)
+            self.broker.clock.sleep(blocked_s)
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "timed out", retriable=True))
-        time.sleep(sum(blocked_s for blocked_s, _ in unanswered))  # waits for the answer
-        unanswered.clear()
         if self.broker.commit_errors:
             error = self.broker.commit_errors.pop(0)
             if self.broker.commit_lands:
@@ -137,6 +150,7 @@ class _Message:
 def broker(monkeypatch) -> FakeBroker:
     broker = FakeBroker()
     monkeypatch.setattr(publishing, "Producer", lambda config: FakeProducer(broker, config))
+    monkeypatch.setattr(publishing, "time", broker.clock)
     monkeypatch.setattr(publishing, "ensure_marker_topic", lambda conf, topic: None)
 
     def last_marker(*_args, marker_at=None):
@@ -359,46 +373,62 @@ def test_a_transaction_that_outlived_its_timeout_says_so(broker, monkeypatch):
 # -- a commit that Kafka leaves unanswered -------------------------------------------------
 
 
-@pytest.fixture
-def quick_stalls(monkeypatch) -> None:
-    monkeypatch.setattr(publishing, "COMMIT_STALL_S", 0.3)
-    monkeypatch.setattr(publishing, "COMMIT_SLICE_S", 0.05)
-    monkeypatch.setattr(publishing, "PAUSED_S", 0.1)
+STALL = publishing.COMMIT_STALL_S
+SLICE = publishing.COMMIT_SLICE_S
 
 
-def test_a_commit_kafka_leaves_unanswered_goes_to_a_new_producer_once_per_epoch(
-    broker, quick_stalls
-):
+def test_a_commit_kafka_leaves_unanswered_goes_to_a_new_producer_once_per_epoch(broker):
     """Its coordinator hangs: the first producer's commit is never answered. A new producer
-    (which would look the coordinator up again) produces the epoch again and commits it; its
-    own commit, the epoch's second, waits for the answer however long it takes."""
-    broker.unanswered = {0: [(0.05, 3)] * 100, 1: [(0.05, 3)] * 4}  # 5 s, 0.2 s
+    (which looks the coordinator up again) produces the epoch again and commits it; its own
+    commit, the epoch's second, waits for the answer however long it takes."""
+    broker.unanswered = {0: [(SLICE, 3)] * 100, 1: [(SLICE, 3)] * 20}  # 50 s, then 10 s
     publisher = exactly_once()
-    began = time.monotonic()
     assert publisher.publish(0, "q", records(2), OFFSETS)
-    assert 0.3 + 0.2 <= time.monotonic() - began < 2.0
-    assert len(broker.producers) == 2
+    assert broker.clock.now - 1000 == STALL + 20 * SLICE
     assert [c[0] for c in broker.calls if c[1] == "init_transactions"] == [0, 1]
     commits = [c[0] for c in broker.calls if c[1] == "commit"]
-    assert 0 not in commits[commits.index(1) :]  # the first producer was left for good
-    assert commits.count(1) == 1  # waited for its answer: not left again
+    assert commits == [0] * int(STALL / SLICE) + [1] * 21  # left once, then waited for
     assert broker.marker == Marker(SINK, 0, "q", 2, OFFSETS)
     assert publisher.stats.transactions_committed == 1
 
 
-def test_a_commit_kafka_answers_bit_by_bit_is_waited_for(broker, quick_stalls):
+def test_a_commit_left_unanswered_that_landed_is_not_published_again(broker):
+    """The EndTxn reached the coordinator, which committed; its answer never came back. The
+    new producer's marker read (which must reach past the marker's acknowledged offset)
+    finds the epoch out: nothing is produced twice."""
+    broker.unanswered = {0: [(SLICE, 0)] * 100}
+    broker.commit_lands = True
+    publisher = exactly_once()
+    assert publisher.publish(0, "q", records(2), OFFSETS)
+    assert len(broker.producers) == 2
+    assert len(produced(broker, "out")) == 2
+    assert broker.marker_reads == [None, (0, 0)]
+    assert publisher.stats.transactions_committed == 1
+
+
+def test_a_commit_kafka_answers_bit_by_bit_is_waited_for(broker):
     """A slow link: each slice some records are acknowledged, for longer than a stall."""
-    broker.unanswered = {0: [(0.05, 100 - n) for n in range(20)]}
+    broker.unanswered = {0: [(SLICE, 100 - n) for n in range(int(4 * STALL / SLICE))]}
     assert exactly_once().publish(0, "q", records(2), OFFSETS)
     assert len(broker.producers) == 1
 
 
-def test_a_pause_of_the_process_is_not_kafka_leaving_the_commit_unanswered(broker, quick_stalls):
-    """SIGSTOP in a commit: on resume the commit is waited for again, not left to a new
-    producer, whose init_transactions would fence an instance that took over meanwhile."""
-    broker.unanswered = {0: [(0.05, 3)] * 4 + [(0.6, 3)] + [(0.05, 3)] * 4}
+def test_a_pause_of_the_process_is_not_kafka_leaving_the_commit_unanswered(broker):
+    """SIGSTOP in a commit (a slice that returns late): on resume the commit is waited for
+    again, and answered, by the same producer."""
+    before, after = int(STALL / SLICE) - 2, int(STALL / SLICE) - 2
+    broker.unanswered = {0: [(SLICE, 3)] * before + [(75.0, 3)] + [(SLICE, 3)] * after}
     assert exactly_once().publish(0, "q", records(2), OFFSETS)
     assert len(broker.producers) == 1
+
+
+def test_a_commit_paused_then_unanswered_stops_the_run_rather_than_fence_a_successor(broker):
+    """Another instance may have taken the app over during the pause: a new producer's
+    init_transactions would fence it. Its restart settles the transaction instead."""
+    broker.unanswered = {0: [(SLICE, 3)] + [(75.0, 3)] + [(SLICE, 3)] * 100}
+    with pytest.raises(OnceflowError, match="paused in a Kafka commit"):
+        exactly_once().publish(0, "q", records(2), OFFSETS)
+    assert len(broker.producers) == 1  # no new producer, no init_transactions
 
 
 # -- the producer's timeouts --------------------------------------------------------------
