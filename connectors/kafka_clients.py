@@ -718,10 +718,11 @@ def commit_group_offsets(conf: dict[str, str], group_id: str, offsets: dict[TP, 
 
 
 class GroupCommits:
-    """A consumer group's offset commits, sent one at a time: the newest offsets wait until
-    the commit before them is answered, and replace offsets that waited before them. Commits
-    sent side by side can land out of order (librdkafka retries one while a newer one goes
-    ahead), and lag tools would see the group's offsets go backwards."""
+    """A consumer group's offset commits, sent one at a time: offsets given while a commit
+    is unanswered wait for the next call after its answer (the next epoch's), and newer ones
+    replace them. Commits sent side by side can land out of order (librdkafka retries one
+    while a newer one goes ahead), and lag tools would see the group's offsets go backwards.
+    The last offsets of a run may stay uncommitted; its next run commits them."""
 
     def __init__(self, conf: dict[str, str], group_id: str) -> None:
         self.group_id = group_id
@@ -729,7 +730,8 @@ class GroupCommits:
         self.in_flight = False
         settings = {**conf, "group.id": group_id, "enable.auto.commit": False}
         # It never joins the group: this only bounds how long a commit waits for a
-        # coordinator (librdkafka's default, 45 s, would also hold the process' exit).
+        # coordinator to be found (librdkafka's default, 45 s, would also hold the process'
+        # exit); one sent to a coordinator that hangs waits socket.timeout.ms.
         settings.setdefault("session.timeout.ms", 10_000)
         self.consumer = Consumer(client_conf(settings) | {"on_commit": self._answered})
 
@@ -738,10 +740,9 @@ class GroupCommits:
         self.consumer.poll(0)  # the answer to the last commit, and queued log lines
         if self.in_flight:
             return
-        sent, self.waiting, self.in_flight = self.waiting, None, True
-        self.consumer.commit(
-            offsets=[TopicPartition(t, p, o) for (t, p), o in sent.items()], asynchronous=True
-        )
+        sent = [TopicPartition(t, p, o) for (t, p), o in self.waiting.items()]
+        self.consumer.commit(offsets=sent, asynchronous=True)
+        self.waiting, self.in_flight = None, True
 
     def _answered(self, error: KafkaError | None, _partitions) -> None:
         self.in_flight = False

@@ -38,19 +38,22 @@ log = logging.getLogger("onceflow.sink")
 
 DEFAULT_TRANSACTION_TIMEOUT_S = 60.0
 MAX_EPOCH_ATTEMPTS = 3
-# A commit that Kafka answers nothing for this long (no record of the epoch acknowledged, no
-# answer to EndTxn) leaves its producer for a new one, once per epoch. librdkafka sends a
-# transaction's requests to the coordinator it found until a request there times out
-# (socket.timeout.ms) and a reconnect's first answer times out too: a coordinator that hangs
-# held commits for ~10 s after Kafka had moved it. A new producer looks the coordinator up
-# afresh, and its init_transactions settles the transaction left open (see Step 5). Longer
-# than a broker may hold a produce for its in-sync replicas before it answers (a live cluster
-# that is slow is waited for).
-COMMIT_STALL_S = kafka_clients.PRODUCE_WAIT_MS / 1000 + 1.0
-# The commit is waited for in slices (librdkafka resumes it on each call), to watch it; a
-# slice that returns this much later than it should means this process was paused.
+# A commit that Kafka acknowledges nothing more of for this long (no further record of the
+# epoch acknowledged, no answer to EndTxn) leaves its producer for a new one, once per epoch.
+# librdkafka sends a transaction's requests to the coordinator it found until a request
+# there times out (socket.timeout.ms) and a reconnect's first answer times out too: a
+# coordinator that hangs held commits for ~10 s after Kafka had moved it. A new producer
+# looks the coordinator up afresh, and its init_transactions settles the transaction left
+# open (see Step 5). One second more than a broker may hold a produce for its in-sync
+# replicas before it answers (the producer's request.timeout.ms).
+COMMIT_STALL_AFTER_REQUEST_S = 1.0
+# The commit is waited for in slices (librdkafka resumes it on each call), to watch it.
 COMMIT_SLICE_S = 0.5
-PAUSED_S = 1.0
+# A slice that returns this much later than it should: this process did not run (SIGSTOP, a
+# frozen VM) for long enough that another instance may have taken the app over (its lease,
+# service.lease.LEASE_S = 30 s, is renewed every 10 s). Shorter gaps only restart the count.
+PAUSED_S = 10.0
+LATE_SLICE_S = 1.0
 Record = tuple  # (topic, partition | None, key, value, headers | None)
 
 
@@ -100,7 +103,7 @@ class EpochPublisher:
         self.producer: Producer | None = None
         self.last: Marker | None = None
         self.marker_topic_ensured = False
-        self.marker_at: tuple[int, int] | None = None  # (partition, offset) of the open epoch's
+        self.marker_at: tuple[int, int] | None = None  # where the open epoch's marker went
         self.stats = PublisherStats()
 
     def publish(
@@ -355,10 +358,7 @@ class TransactionalPublisher(EpochPublisher):
         Step 3. The marker's own batch is a replay: skip it, if its offsets and plan agree
                 (a batch below the marker, or one planned anew, is refused).
         Step 4. In one transaction, produce the results, the side records, then the marker.
-        Step 5. Commit. A commit that Kafka answers nothing for COMMIT_STALL_S is left to a
-                new producer, which settles it as below (once per epoch, not counted as
-                an attempt; the second commit waits for its answer). A commit this process
-                was paused in is never settled by a new producer (see commit_unless_stalled).
+        Step 5. Commit, watched (see CommitWatch).
         (The sink then removes the epoch's staged side records.)
 
         One branch per error kind:
@@ -366,13 +366,19 @@ class TransactionalPublisher(EpochPublisher):
           timeout, the broker aborted it): stop with FencedError / TransactionTimedOutError;
         - fatal: the producer is unusable: drop it and fail the epoch;
         - abortable while producing (Step 4): abort, and produce the epoch again;
+        - the process was paused in the commit (long enough for another instance to take
+          over): stop on any failure, never settle (a new producer would fence the other);
         - any other commit error (abortable, timed out, unknown) is settled, never retried
           blindly on the same producer: a new producer's init_transactions completes or
           aborts the transaction, and the marker read after it says whether the epoch is
-          out; if not, it is produced again.
+          out; if not, it is produced again;
+        - a commit that Kafka acknowledges nothing more of for the stall time is settled
+          the same way, once per epoch and not counted as an attempt (the epoch's second
+          commit waits for its answer up to the transaction timeout).
         """
         error: KafkaError | None = None
-        attempts, stall_s = 0, COMMIT_STALL_S
+        attempts = 0
+        stall_s: float | None = self.commit_stall_s()
         while attempts < MAX_EPOCH_ATTEMPTS:
             attempts += 1
             # Step 1
@@ -401,14 +407,17 @@ class TransactionalPublisher(EpochPublisher):
                 self._abort()  # e.g. a record that cannot be produced: leave nothing open
                 raise
             # Step 5
+            watch = CommitWatch(producer, self.timeout_s, stall_s)
             try:
                 faults.point("before_kafka_commit", epoch.batch_id)
-                committed = self._commit_transaction(producer, epoch.batch_id, stall_s)
+                committed = self._commit_transaction(watch, epoch.batch_id)
             except KafkaException as exc:
                 error = exc.args[0]
                 fenced = self._is_fenced(error)  # asks librdkafka once: it raises the cause once
                 if fenced or error.fatal():
                     raise self._failure(exc, began, epoch, fenced) from exc
+                if watch.paused:
+                    raise watch.paused_error(epoch.batch_id, f"it failed ({error})") from exc
                 log.warning(
                     "epoch %d: commit failed (%s); a new producer settles the transaction and "
                     "reads the marker",
@@ -467,14 +476,18 @@ class TransactionalPublisher(EpochPublisher):
             and last.source_offsets == epoch.source_offsets
         )
 
-    def _commit_transaction(self, producer: Producer, batch_id: int, stall_s: float | None) -> bool:
-        """True once committed; False, the commit left unfinished, if Kafka answered nothing
-        of it for `stall_s` seconds (None: wait for the answer, up to the timeout)."""
+    def commit_stall_s(self) -> float:
+        """See COMMIT_STALL_AFTER_REQUEST_S."""
+        request_ms = int(self.producer_config()["request.timeout.ms"])
+        return request_ms / 1000 + COMMIT_STALL_AFTER_REQUEST_S
+
+    def _commit_transaction(self, watch: CommitWatch, batch_id: int) -> bool:
+        """True once committed; False if the commit stalled (see CommitWatch.commit)."""
         faults.commit_failure("commit_abortable", batch_id)
         with reported_if_stalled(
             f"epoch {batch_id}: the Kafka commit of {self.transactional_id!r}"
         ):
-            if not commit_unless_stalled(producer, self.timeout_s, stall_s):
+            if not watch.commit():
                 return False
         faults.commit_failure("commit_outcome_unknown", batch_id)
         return True
@@ -583,46 +596,56 @@ def _marker(sink: str, epoch: Epoch, records: int) -> Marker:
     return Marker(sink, epoch.batch_id, epoch.query_id, records, epoch.source_offsets, epoch.plan)
 
 
-def commit_unless_stalled(producer: Producer, timeout_s: float, stall_s: float | None) -> bool:
-    """commit_transaction, waited for in slices: True once committed; False, the commit left
-    unfinished, once Kafka has acknowledged none of the epoch's records and not answered its
-    EndTxn for `stall_s` seconds (None: wait up to `timeout_s`, then raise its timeout).
+class CommitWatch:
+    """One commit_transaction, waited for in slices (librdkafka resumes it on each call)."""
 
-    A slice that returns late means this process was paused (SIGSTOP, a frozen VM), not that
-    Kafka was silent. Another instance may have taken the checkpoint over meanwhile, and a
-    new producer's init_transactions would fence it; so a commit that Kafka does not answer
-    within `COMMIT_STALL_S` of the resume ends the run instead (its restart settles the
-    transaction, or is refused while the other instance holds the checkpoint's lease).
-    """
-    began = last = answered = time.monotonic()
-    waiting, paused = len(producer), False
-    while True:
-        try:
-            producer.commit_transaction(COMMIT_SLICE_S)
-            return True
-        except KafkaException as exc:
-            if exc.args[0].code() != KafkaError._TIMED_OUT:
-                raise
-            timed_out = exc
-        producer.poll(0)  # its queued log lines and errors count in len() too
-        now = time.monotonic()
-        if now - last > COMMIT_SLICE_S + PAUSED_S:
-            paused, answered = True, now
-        elif len(producer) < waiting:
-            answered = now
-        waiting, last = len(producer), now
-        if paused and now - answered >= COMMIT_STALL_S:
-            raise OnceflowError(
-                "this process was paused in a Kafka commit, and Kafka has not answered it since "
-                f"it resumed {now - answered:.0f} s ago: the run stops rather than settle the "
-                "transaction with a new producer, which would fence an instance that took the "
-                "app over meanwhile. A restart settles it (the checkpoint's lease refuses the "
-                "restart while another instance runs the app)."
-            )
-        if not paused and stall_s is not None and now - answered >= stall_s:
-            return False
-        if not paused and now - began >= timeout_s:
-            raise timed_out
+    def __init__(self, producer: Producer, timeout_s: float, stall_s: float | None) -> None:
+        self.producer, self.timeout_s, self.stall_s = producer, timeout_s, stall_s
+        self.paused = False  # this process did not run for PAUSED_S or more meanwhile
+
+    def commit(self) -> bool:
+        """True once committed; False, the commit left unfinished, once Kafka has
+        acknowledged nothing more of it (records, EndTxn) for `stall_s` seconds that this
+        process ran (None: never; the transaction timeout ends the wait, raised as
+        librdkafka's _TIMED_OUT). After a pause (see PAUSED_S) it is never left, and Kafka
+        must answer within `COMMIT_SLICE_S + PAUSED_S` of the resume, or the run stops: a
+        restart settles the transaction, or is refused while another instance holds the
+        checkpoint's lease."""
+        began = last = answered = time.monotonic()
+        waiting = len(self.producer)
+        while True:
+            try:
+                self.producer.commit_transaction(COMMIT_SLICE_S)
+                return True
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError._TIMED_OUT:
+                    raise
+                timed_out = exc
+            self.producer.poll(0)  # its queued log lines and errors count in len() too
+            now = time.monotonic()
+            late_s = now - last - COMMIT_SLICE_S
+            if late_s >= PAUSED_S:
+                self.paused = True
+            if late_s >= LATE_SLICE_S or len(self.producer) < waiting:
+                answered = now
+            waiting, last = len(self.producer), now
+            if self.paused and now - answered >= COMMIT_SLICE_S + PAUSED_S:
+                raise self.paused_error(
+                    None, f"Kafka has not answered it in {now - answered:.0f} s"
+                )
+            if not self.paused and self.stall_s is not None and now - answered >= self.stall_s:
+                return False
+            if not self.paused and now - began >= self.timeout_s:
+                raise timed_out
+
+    def paused_error(self, batch_id: int | None, what: str) -> OnceflowError:
+        epoch = f"epoch {batch_id}'s" if batch_id is not None else "a"
+        return OnceflowError(
+            f"this process was paused in {epoch} Kafka commit, and since it resumed {what}: the "
+            "run stops rather than settle the transaction with a new producer, which would "
+            "fence an instance that took the app over meanwhile. A restart settles it (the "
+            "checkpoint's lease refuses the restart while another instance runs the app)."
+        )
 
 
 def _produce(producer: Producer, topic, partition, key, value, headers, on_delivery=None) -> None:

@@ -437,17 +437,15 @@ def test_look_ups_reads_and_commits_leave_a_node_that_hangs_for_the_new_one(clus
     from onceflow.connectors.publisher import TransactionalPublisher
     from onceflow.connectors.source import OffsetRange, read_range
 
-    topic, out = _topic(cluster, "hung-leader"), _topic(cluster, "hung-coordinator-out")
+    # A node that coordinates transactions and consumer groups, and a topic it leads.
+    out = _topic(cluster, "hung-coordinator-out")
+    leader = _coordinating_node(cluster, out)
+    topic = _topic_led_by(cluster, leader)
     conf = {"bootstrap.servers": cluster.bootstrap, "socket.timeout.ms": "60000"}
     conf["client.id"] = "hung-leader"  # clients of its own (the process caches them by conf)
     # The process' admin client for `conf` knows the leader and has sent to it last.
     assert kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 0}
     # A sink and a consumer group that the leader coordinates, each with a commit behind it.
-    leader = _leaders(cluster.bootstrap, topic)[0]
-    # (Kafka makes its transaction and offsets logs at their first use.)
-    first = Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": "any"})
-    first.init_transactions(30)
-    _group_offset(cluster, "any", topic)
     sink = _coordinated_by(leader, cluster.transaction_coordinator)
     publisher = TransactionalPublisher(conf, sink, marker_topic_for(sink))
     sent = [(out, None, None, f"epoch {n}".encode(), None) for n in (0, 1)]
@@ -490,14 +488,38 @@ def test_look_ups_reads_and_commits_leave_a_node_that_hangs_for_the_new_one(clus
     wait_until(lambda: _group_offset(cluster, group, topic) == 20, 60, "the group's new offset")
 
 
+def _coordinating_node(cluster: LocalCluster, topic: str) -> int:
+    """A node that leads partitions of both the transaction and the offsets log (after a
+    rolling restart, the last node restarted may lead none until Kafka rebalances)."""
+    first = Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": "any"})
+    first.init_transactions(30)  # Kafka makes both logs at their first use
+    _group_offset(cluster, "any", topic)
+    leaders = []
+    for log in ("__transaction_state", "__consumer_offsets"):
+        meta = _leaders(cluster.bootstrap, log)
+        leaders.append(set(meta.values()))
+    both = sorted(leaders[0] & leaders[1])
+    assert both, f"no node leads partitions of both logs: {leaders}"
+    return both[0]
+
+
+def _topic_led_by(cluster: LocalCluster, node: int) -> str:
+    """A new topic whose partition 0 `node` leads (Kafka spreads new leaders over nodes)."""
+    for _ in range(30):
+        topic = _topic(cluster, "hung-leader")
+        if _leaders(cluster.bootstrap, topic).get(0) == node:
+            return topic
+    raise AssertionError(f"node {node} led partition 0 of none of 30 new topics")
+
+
 def _coordinated_by(node: int, coordinator: Callable[[str], int]) -> str:
     """A transactional id or group id whose coordinator (LocalCluster.transaction_coordinator
-    or group_coordinator) is `node`."""
-    for n in itertools.count():
+    or group_coordinator) is `node`, which leads a partition of that log."""
+    for n in range(200):
         key = f"hung-coordinator-{uuid.uuid4().hex[:6]}-{n}"
         if coordinator(key) == node:
             return key
-    raise AssertionError("unreachable")
+    raise AssertionError(f"node {node} coordinates none of 200 ids")
 
 
 def _group_offset(cluster: LocalCluster, group: str, topic: str) -> int:

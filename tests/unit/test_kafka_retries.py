@@ -281,6 +281,7 @@ def test_a_groups_offsets_are_committed_one_at_a_time_the_newest_waiting(monkeyp
     """Commits sent side by side can land out of order (librdkafka retries one while a newer
     one goes ahead): lag tools would see the group's offsets go backwards."""
     monkeypatch.setattr(kafka_clients, "Consumer", StandInGroupConsumer)
+    monkeypatch.setattr(kafka_clients, "_group_commits", {})
     group = "group-one-at-a-time"
     for offset in (10, 20, 30):  # 20 and 30 while 10 is unanswered: 30 waits, 20 is dropped
         kafka_clients.commit_group_offsets(CONF, group, {("in", 0): offset})

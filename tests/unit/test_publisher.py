@@ -6,8 +6,6 @@ and the fault suite; here each branch of the protocol is driven on purpose.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
@@ -361,8 +359,6 @@ def test_a_produce_refused_in_an_abortable_state_aborts_and_produces_again(broke
 def test_a_transaction_that_outlived_its_timeout_says_so(broker, monkeypatch):
     clock = iter([100.0, 200.0, 200.0, 200.0])
     monkeypatch.setattr(publishing.time, "monotonic", lambda: next(clock))
-    # (the stall reports would read the same clock)
-    monkeypatch.setattr(publishing, "reported_if_stalled", lambda what: contextlib.nullcontext())
     broker.commit_errors = [KafkaError(KafkaError._FENCED, "fenced", fatal=True)]
     with pytest.raises(OnceflowError) as info:
         exactly_once().publish(0, "q", records(1), OFFSETS)
@@ -373,7 +369,7 @@ def test_a_transaction_that_outlived_its_timeout_says_so(broker, monkeypatch):
 # -- a commit that Kafka leaves unanswered -------------------------------------------------
 
 
-STALL = publishing.COMMIT_STALL_S
+STALL = exactly_once().commit_stall_s()  # the producer's request.timeout.ms (4 s) + 1 s
 SLICE = publishing.COMMIT_SLICE_S
 
 
@@ -429,6 +425,30 @@ def test_a_commit_paused_then_unanswered_stops_the_run_rather_than_fence_a_succe
     with pytest.raises(OnceflowError, match="paused in a Kafka commit"):
         exactly_once().publish(0, "q", records(2), OFFSETS)
     assert len(broker.producers) == 1  # no new producer, no init_transactions
+
+
+def test_a_commit_paused_then_failed_stops_the_run_rather_than_fence_a_successor(broker):
+    broker.unanswered = {0: [(SLICE, 3), (75.0, 3)]}
+    broker.commit_errors = [KafkaError(KafkaError._STATE, "refused", txn_requires_abort=True)]
+    with pytest.raises(OnceflowError, match="paused in epoch 0's Kafka commit, and since it"):
+        exactly_once().publish(0, "q", records(2), OFFSETS)
+    assert len(broker.producers) == 1
+
+
+def test_a_short_gap_in_the_commit_only_restarts_the_count(broker):
+    """A slice 2.5 s late (a busy machine, a short freeze) cannot let another instance in:
+    the count of Kafka's silence starts again, and the commit goes on as before."""
+    under = int(STALL / SLICE) - 2  # slices of silence, short of a stall
+    broker.unanswered = {0: [(SLICE, 3)] * under + [(3.0, 3)] + [(SLICE, 3)] * under}
+    assert exactly_once().publish(0, "q", records(2), OFFSETS)
+    assert len(broker.producers) == 1
+
+
+def test_the_stall_time_follows_the_producers_request_timeout():
+    """A broker holds a produce for its replicas up to request.timeout.ms: a live cluster
+    that is slow is waited for."""
+    conf = {"bootstrap.servers": "fake:9092", "request.timeout.ms": "30000"}
+    assert publishing.TransactionalPublisher(conf, SINK, MARKERS).commit_stall_s() == 31.0
 
 
 # -- the producer's timeouts --------------------------------------------------------------
