@@ -285,8 +285,9 @@ class EpochPublisher:
             count += 1
         return count
 
-    def _produce_marker(self, producer: Producer, marker: Marker) -> None:
-        _produce(producer, self.marker_topic, None, marker.sink.encode(), marker.encode(), None)
+    def _produce_marker(self, producer: Producer, marker: Marker, on_delivery=None) -> None:
+        key, value = marker.sink.encode(), marker.encode()
+        _produce(producer, self.marker_topic, None, key, value, None, on_delivery)
 
     def _oversized(self, producer: Producer, topic: str, key, value, headers) -> None:
         """A record too big to publish becomes a dead letter without its value, never a loop
@@ -450,8 +451,7 @@ class TransactionalPublisher(EpochPublisher):
         count = self._produce_records(producer, epoch.records)
         marker = _marker(self.transactional_id, epoch, count)
         self.marker_at = None
-        key, value = marker.sink.encode(), marker.encode()
-        _produce(producer, self.marker_topic, None, key, value, None, self._marker_acknowledged)
+        self._produce_marker(producer, marker, self._marker_acknowledged)
         return marker
 
     def _marker_acknowledged(self, error: KafkaError | None, message) -> None:
