@@ -392,7 +392,7 @@ def test_an_offset_look_up_waiting_for_a_dead_leader_does_not_spin(cluster):
 
 
 def test_a_read_answered_by_a_leader_that_was_paused_waits_for_its_records_not_skips_them(
-    cluster, tmp_path, caplog
+    cluster, tmp_path, caplog, monkeypatch
 ):
     """A leader paused past its session timeout (a long GC pause, a hung host) loses its
     partitions; resumed, it answers as the leader it was until it learns otherwise, and a
@@ -402,7 +402,10 @@ def test_a_read_answered_by_a_leader_that_was_paused_waits_for_its_records_not_s
     from onceflow.connectors.source import OffsetRange
 
     topic = _topic(cluster, "paused-leader")
-    conf = {"bootstrap.servers": cluster.bootstrap}
+    # The read waits for the resumed node's answer: neither a request timeout nor a new
+    # consumer (after FETCH_STALL_S) may go around it, however slowly its JVM resumes.
+    conf = {"bootstrap.servers": cluster.bootstrap, "socket.timeout.ms": "30000"}
+    monkeypatch.setattr("onceflow.connectors.source.FETCH_STALL_S", 30.0)
     checkpoint = CheckpointDir(tmp_path / "checkpoint")
     with _leader_paused_after_a_read(cluster, topic, conf) as paused:
         waiting = _bytes_waiting_at(paused.port)

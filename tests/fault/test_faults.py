@@ -70,7 +70,16 @@ class Service:
         return self.process.wait(300)
 
     def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
+        """The log's end, led by its last errors (a CI printout may keep only the start)."""
+        text = self.log.read_text(errors="replace")
+        errors = [
+            line[:1000]
+            for line in text.splitlines()
+            if line.startswith("onceflow: ") or " ERROR " in line or "Error: " in line
+        ]
+        return "\n".join(
+            ["the service's last errors:", *errors[-5:], "its log ends:", text[-4000:]]
+        )
 
 
 def _descendants(pid: int) -> list[int]:
