@@ -94,7 +94,13 @@ def _key(conf: dict[str, str], *extra: object) -> tuple:
 
 
 # The codes of a request that got no answer at all (as opposed to an answer saying no).
-NO_ANSWER = (KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN)
+# _TIMED_OUT_QUEUE: never sent, its broker's connection down past the request timeout.
+NO_ANSWER = (
+    KafkaError._TRANSPORT,
+    KafkaError._TIMED_OUT,
+    KafkaError._TIMED_OUT_QUEUE,
+    KafkaError._ALL_BROKERS_DOWN,
+)
 
 
 # Answers of a cluster in motion (a broker restarting, leaders and coordinators moving), which

@@ -91,6 +91,17 @@ def test_a_partition_between_leaders_is_asked_again_until_it_has_one(stand_in):
     assert client.requests == 3
 
 
+def test_a_request_that_timed_out_in_the_clients_queue_is_asked_again(stand_in):
+    """A request waits in librdkafka's queue while its broker's connection is down and its
+    reconnect backs off (up to 10 s after repeated resets): past the request timeout it fails
+    "timed out in queue", never sent. That is no answer, not a refusal (it ended a run when
+    every connection was cut twice a second)."""
+    in_queue = KafkaError(KafkaError._TIMED_OUT_QUEUE, "Local: Timed out in queue")
+    client = stand_in(StandInAdmin([in_queue, 42]))
+    assert kafka_clients.stable_ends(CONF, [("in", 0)]) == {("in", 0): 42}
+    assert client.requests == 2
+
+
 def test_brokers_that_stopped_answering_end_the_run_as_unreachable(stand_in):
     """The partitions lost their leader as the brokers went down; then nobody answers the
     metadata request either: the run ends saying Kafka did not answer, not "no leaders"."""
