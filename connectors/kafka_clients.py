@@ -94,7 +94,9 @@ def _key(conf: dict[str, str], *extra: object) -> tuple:
 
 
 # The codes of a request that got no answer at all (as opposed to an answer saying no).
-# _TIMED_OUT_QUEUE: never sent, its broker's connection down past the request timeout.
+# _TIMED_OUT_QUEUE: unanswered in the client's queue past the request timeout, its broker's
+# connection down: never sent, or sent once and waiting to be sent again. So only reads, and
+# requests whose second copy is harmless (CreateTopics), are retried on these codes.
 NO_ANSWER = (
     KafkaError._TRANSPORT,
     KafkaError._TIMED_OUT,

@@ -143,7 +143,7 @@ def test_the_coordinator_dies_in_a_commit_then_hangs_then_every_node_restarts_in
     # 1. The coordinator of the sink's transactional id dies with epoch 8's transaction open
     #    and produced, as the driver commits it.
     wait_until(lambda: held.exists() or service.process.poll() is not None, 180, "epoch 8")
-    assert service.process.poll() is None, service.tail()
+    assert service.process.poll() is None, service.report()
     sink = f"onceflow-fault-{topics['in']}-{topics['out']}"  # the sink's transactional id
     coordinator = cluster.transaction_coordinator(sink)
     before = _committed(commits)
@@ -207,7 +207,7 @@ def test_the_coordinator_dies_in_a_commit_then_hangs_then_every_node_restarts_in
 
     watch.stop()
     app.events = feeder.stop()
-    assert service.terminate() == 0, service.tail()
+    assert service.terminate() == 0, service.report()
     # After the stop: the drain that reads it also runs the epoch that closes the windows.
     produce(cluster.bootstrap, topics["in"], [(b"u0", _click("u0", FLUSH_TS), 0)])
     app.drain(pipeline)
@@ -271,7 +271,7 @@ def test_a_slow_then_broken_network_between_the_service_and_the_brokers(
         every_link("delay", 0)
         # Epoch 8 is the first sure to publish windows (a Kafka transaction to commit).
         wait_until(lambda: held.exists() or service.process.poll() is not None, 240, "epoch 8")
-        assert service.process.poll() is None, service.tail()
+        assert service.process.poll() is None, service.report()
         watch = CommitWatch(commits)
         running.append(watch)
 
@@ -317,7 +317,7 @@ def test_a_slow_then_broken_network_between_the_service_and_the_brokers(
         # 5. A restart while connections break: the one carrying the sink's InitProducerId
         #    cut as that request leaves, and every connection each second until the new sink
         #    has read its last marker.
-        assert service.terminate() == 0, service.tail()
+        assert service.terminate() == 0, service.report()
         before, sprung = _committed(commits), sum(len(proxy.sprung) for proxy in proxies)
         every_link("arm", INIT_PRODUCER_ID, CUT)
         service = app.service(pipeline)
@@ -326,7 +326,7 @@ def test_a_slow_then_broken_network_between_the_service_and_the_brokers(
         ready = re.compile(r"TransactionalPublisher producer \S+ ready")
         # (For 20 s at most: reconnect backoffs grow with each cut.)
         while not ready.search(service.log.read_text()) and time.monotonic() - restarted < 20:
-            assert service.process.poll() is None, service.tail()
+            assert service.process.poll() is None, service.report()
             cuts += sum(proxy.cut() for proxy in proxies)
             time.sleep(1)  # the fault's rhythm
         wait_until(lambda: ready.search(service.log.read_text()), 180, "the sink ready")
@@ -337,7 +337,7 @@ def test_a_slow_then_broken_network_between_the_service_and_the_brokers(
             time.monotonic() - restarted
         )
         app.events = feeder.stop()
-        assert service.terminate() == 0, service.tail()
+        assert service.terminate() == 0, service.report()
         produce(cluster.bootstrap, topics["in"], [(b"u0", _click("u0", FLUSH_TS), 0)])
         app.drain(pipeline)
     finally:
@@ -698,7 +698,7 @@ def _next_commit(service, commits: Path, before: int) -> None:
         180,
         "an epoch committed after the fault",
     )
-    assert service.process.poll() is None, service.tail()
+    assert service.process.poll() is None, service.report()
 
 
 class CommitWatch:

@@ -70,7 +70,11 @@ class Service:
         return self.process.wait(300)
 
     def tail(self) -> str:
-        """The log's end, led by its last errors (a CI printout may keep only the start)."""
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def report(self) -> str:
+        """For a failed assertion: the log's last error lines, then its end (a CI printout
+        may keep only the start of a long message)."""
         text = self.log.read_text(errors="replace")
         errors = [
             line[:1000]
@@ -164,9 +168,9 @@ class Scenario:
 
     def drain(self, pipeline: Path) -> None:
         service = self.service(pipeline, available_now=True)
-        assert service.wait() == 0, service.tail()
+        assert service.wait() == 0, service.report()
         # The restart's first epoch (a replay after a kill) reaches the metrics like any other.
-        assert "could not record query progress" not in service.log.read_text(), service.tail()
+        assert "could not record query progress" not in service.log.read_text(), service.report()
 
     def report(self, count_field: str | None = None):
         """The checker's figures, also printed for the run's record (`pytest -rP`).
@@ -224,7 +228,7 @@ def _click(user: str, ts: int) -> bytes:
 def crash_then_drain(app: Scenario, pipeline: Path, point: str) -> None:
     """SIGKILL the service at `point` in batch 3, then drain from the same checkpoint."""
     crashed = app.service(pipeline, available_now=True, fault=f"{point}@3")
-    assert crashed.wait() == -signal.SIGKILL, crashed.tail()
+    assert crashed.wait() == -signal.SIGKILL, crashed.report()
     Service.kills += 1
     app.drain(pipeline)
 
@@ -328,7 +332,7 @@ def kill_each_run_at_random(
             180,
             "the run's first committed epoch",
         )
-        assert service.process.poll() is None, service.tail()
+        assert service.process.poll() is None, service.report()
         after_first_epoch(run)
         delay = rng.uniform(0.0, 2.0)
         time.sleep(delay)  # the random moment of the kill, not a synchronisation
@@ -359,7 +363,7 @@ def test_a_crash_loop_commits_an_epoch_every_round(app):
         before = _committed(commits)
         service = app.service(pipeline)
         time.sleep(CRASH_LOOP_KILL_AFTER_S)  # the kill's fixed moment, not a synchronisation
-        assert service.process.poll() is None, service.tail()
+        assert service.process.poll() is None, service.report()
         service.kill()
         per_round.append(_committed(commits) - before)
     print(
@@ -411,11 +415,11 @@ def test_a_standby_takes_over_when_the_active_instance_is_killed(app):
         180,
         "the standby waiting for the lease",
     )
-    assert active.process.poll() is None, active.tail()
-    assert standby.process.poll() is None, standby.tail()
+    assert active.process.poll() is None, active.report()
+    assert standby.process.poll() is None, standby.report()
     holder = json.loads((app.tmp / "checkpoint" / CLAIM).read_text())["holder"]
     assert holder["pid"] == active.process.pid, holder
-    assert "took over" not in standby.log.read_text(), standby.tail()
+    assert "took over" not in standby.log.read_text(), standby.report()
     before = _epochs_done(active)
     active.kill()
     killed_at = time.time()
@@ -431,8 +435,8 @@ def test_a_standby_takes_over_when_the_active_instance_is_killed(app):
         f"the kill and committed its first epoch {first_epoch:.1f} s after"
     )
     # The holder's process is gone from this host: no waiting for its lease to expire.
-    assert took_over < LEASE_S / 2, standby.tail()
-    assert standby.terminate() == 0, standby.tail()
+    assert took_over < LEASE_S / 2, standby.report()
+    assert standby.terminate() == 0, standby.report()
     app.drain(pipeline)
     app.check_windows()
 
@@ -445,7 +449,7 @@ def _logged_time(service: Service, pattern: str) -> float:
         if re.search(pattern, line):
             stamp = " ".join(line.split()[:2])
             return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    raise AssertionError(f"no line matching {pattern!r} in the log:\n{service.tail()}")
+    raise AssertionError(f"no line matching {pattern!r} in the log:\n{service.report()}")
 
 
 def _epochs_done(service: Service) -> int:
@@ -458,15 +462,15 @@ def test_sigterm_finishes_the_epoch_and_exits_0(app):
     service = app.service(pipeline)
     out = app.topics["out"]
     wait_until(lambda: len(read_committed(app.bootstrap, out)) > 0, 120, "first committed epoch")
-    assert service.terminate() == 0, service.tail()
+    assert service.terminate() == 0, service.report()
     log = service.log.read_text(errors="replace")
     # The epoch running at SIGTERM commits (unless SIGTERM fell between two epochs); no later
     # epoch does, though a backlog remains. Epochs are compared by number: the listener's
     # "epoch N done" lines are logged asynchronously, possibly after the stop request.
     running = _logged_epoch(r"stop requested: finishing epoch (\d+)", log, service)
     last = _logged_epoch(r"stopped after epoch (-?\d+)", log, service)
-    assert last in (running - 1, running), service.tail()
-    assert max(int(n) for n in re.findall(r"epoch (\d+) done", log)) == last, service.tail()
+    assert last in (running - 1, running), service.report()
+    assert max(int(n) for n in re.findall(r"epoch (\d+) done", log)) == last, service.report()
     app.drain(pipeline)
     app.check_pass_through()
 
@@ -480,15 +484,15 @@ def test_ctrl_c_exits_130_and_the_restart_is_exactly_once(app):
     out = app.topics["out"]
     wait_until(lambda: len(read_committed(app.bootstrap, out)) > 0, 120, "first committed epoch")
     os.killpg(service.process.pid, signal.SIGINT)
-    assert service.wait() == 130, service.tail()
-    assert "Traceback" not in service.tail(), service.tail()
+    assert service.wait() == 130, service.report()
+    assert "Traceback" not in service.tail(), service.report()
     app.drain(pipeline)
     app.check_pass_through()
 
 
 def _logged_epoch(pattern: str, log: str, service) -> int:
     match = re.search(pattern, log)
-    assert match, f"no line matching {pattern!r} in the service's log:\n{service.tail()}"
+    assert match, f"no line matching {pattern!r} in the service's log:\n{service.report()}"
     return int(match.group(1))
 
 

@@ -204,13 +204,13 @@ def _killed_then_drained(app: Scenario, pipeline, tmp_path, long: bool, default_
     replays epoch 3 from both inputs' logged offsets and must find it published already),
     then kills at random moments, then a run that drains what is left."""
     crashed = app.service(pipeline, available_now=True, fault="after_kafka_commit@3")
-    assert crashed.wait() == -signal.SIGKILL, crashed.tail()
+    assert crashed.wait() == -signal.SIGKILL, crashed.report()
     Service.kills += 1
     kill_each_run_at_random(app, pipeline, 10 if long else 1, default_seed=default_seed)
     replay = (tmp_path / "run-2.log").read_text(errors="replace")
     assert "batch 3 is already published; replay skipped" in replay, replay[-3000:]
     drain = app.service(pipeline, available_now=True)
-    assert drain.wait() == 0, drain.tail()
+    assert drain.wait() == 0, drain.report()
 
 
 def _joined_as_of_each_epoch(checkpoint, persons: list, auctions: list) -> list[tuple]:

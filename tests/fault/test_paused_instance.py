@@ -45,17 +45,17 @@ def test_a_paused_instance_stops_on_resume_and_exactly_one_publishes(app):  # no
 
     wait_until(lease_expired, LEASE_S + 30, "the paused instance's lease to expire")
     second = app.service(pipeline, available_now=True)
-    assert second.wait() == 0, second.tail()
+    assert second.wait() == 0, second.report()
     published = len(read_committed(app.bootstrap, out))
 
     _signal_service(first, signal.SIGCONT)
-    assert first.wait(120) == 1, first.tail()
+    assert first.wait(120) == 1, first.report()
     last_line = first.tail().strip().splitlines()[-1]
     assert re.match(
         r"onceflow: (CheckpointClaimError|FencedError|TransactionTimedOutError|"
         r"OnceflowError: this process was paused in)",
         last_line,
-    ), first.tail()
+    ), first.report()
     assert len(read_committed(app.bootstrap, out)) == published  # the zombie published nothing
     app.check_pass_through()
 
@@ -75,7 +75,7 @@ def test_a_driver_paused_past_its_transaction_timeout_stops_and_its_restart_is_e
     monkeypatch.setenv("ONCEFLOW_FAULT_HOLD_FILE", str(held))
     service = app.service(pipeline, fault="hold:before_kafka_commit@3")
     wait_until(lambda: held.exists() or service.process.poll() is not None, 180, "epoch 3")
-    assert service.process.poll() is None, service.tail()
+    assert service.process.poll() is None, service.report()
     outputs = [(out, p) for p in range(3)]
     conf = {"bootstrap.servers": app.bootstrap}
     # The pause lands where it matters: epoch 3's records are produced, not committed.
@@ -94,9 +94,9 @@ def test_a_driver_paused_past_its_transaction_timeout_stops_and_its_restart_is_e
         wait_until(aborted_by_the_broker, 60, "the broker to abort the paused transaction")
     finally:
         _signal_service(service, signal.SIGCONT)
-    assert service.wait(120) == 1, service.tail()
+    assert service.wait(120) == 1, service.report()
     last_line = service.tail().strip().splitlines()[-1]
-    assert last_line.startswith("onceflow: TransactionTimedOutError: "), service.tail()
+    assert last_line.startswith("onceflow: TransactionTimedOutError: "), service.report()
     assert Counter(m.value() for m in read_committed(app.bootstrap, out)) == visible
 
     app.drain(pipeline)

@@ -19,6 +19,7 @@ from onceflow.connectors.topics import create_topic
 
 CONF = {"bootstrap.servers": "stand-in:9092"}
 NO_LEADER = KafkaError(KafkaError._NOENT, "Failed to query partition leaders: No leaders found")
+IN_QUEUE = KafkaError(KafkaError._TIMED_OUT_QUEUE, "Local: Timed out in queue")
 
 
 class StandInAdmin:
@@ -94,12 +95,18 @@ def test_a_partition_between_leaders_is_asked_again_until_it_has_one(stand_in):
 def test_a_request_that_timed_out_in_the_clients_queue_is_asked_again(stand_in):
     """A request waits in librdkafka's queue while its broker's connection is down and its
     reconnect backs off (up to 10 s after repeated resets): past the request timeout it fails
-    "timed out in queue", never sent. That is no answer, not a refusal (it ended a run when
-    every connection was cut twice a second)."""
-    in_queue = KafkaError(KafkaError._TIMED_OUT_QUEUE, "Local: Timed out in queue")
-    client = stand_in(StandInAdmin([in_queue, 42]))
+    "timed out in queue". That is no answer, not a refusal (it ended a run when every
+    connection was cut twice a second)."""
+    client = stand_in(StandInAdmin([IN_QUEUE, 42]))
     assert kafka_clients.stable_ends(CONF, [("in", 0)]) == {("in", 0): 42}
     assert client.requests == 2
+
+
+def test_requests_that_keep_timing_out_in_the_queue_end_the_run_as_unreachable(stand_in):
+    stand_in(StandInAdmin([IN_QUEUE]))
+    with pytest.raises(KafkaUnreachableError) as raised:
+        kafka_clients.stable_ends(CONF, [("in", 0)])
+    assert str(raised.value).startswith("Kafka at stand-in:9092 did not answer within 2s")
 
 
 def test_brokers_that_stopped_answering_end_the_run_as_unreachable(stand_in):
