@@ -93,14 +93,19 @@ def _key(conf: dict[str, str], *extra: object) -> tuple:
     return (*sorted(conf.items()), *extra)
 
 
-# The codes of a request that got no answer at all (as opposed to an answer saying no).
-# _TIMED_OUT_QUEUE: unanswered in the client's queue past the request timeout, its broker's
-# connection down: never sent, or sent once and waiting to be sent again. So only reads, and
-# requests whose second copy is harmless (CreateTopics), are retried on these codes.
+# The codes of a request that got no answer at all (as opposed to an answer saying no):
+# - _TIMED_OUT_QUEUE: unanswered in the client's queue past the request timeout, its
+#   broker's connection down;
+# - _DESTROY_BROKER: sent through a broker handle the client dropped meanwhile (a bootstrap
+#   server's, dropped once a metadata answer names the brokers: rd_kafka_metadata_decommission_
+#   unavailable_brokers).
+# Either may have reached the broker, so only reads, and requests whose second copy is
+# harmless (CreateTopics), are retried on these codes.
 NO_ANSWER = (
     KafkaError._TRANSPORT,
     KafkaError._TIMED_OUT,
     KafkaError._TIMED_OUT_QUEUE,
+    KafkaError._DESTROY_BROKER,
     KafkaError._ALL_BROKERS_DOWN,
 )
 

@@ -20,6 +20,11 @@ from onceflow.connectors.topics import create_topic
 CONF = {"bootstrap.servers": "stand-in:9092"}
 NO_LEADER = KafkaError(KafkaError._NOENT, "Failed to query partition leaders: No leaders found")
 IN_QUEUE = KafkaError(KafkaError._TIMED_OUT_QUEUE, "Local: Timed out in queue")
+DROPPED_BROKER = KafkaError(
+    KafkaError._DESTROY_BROKER,
+    "Failed while waiting for response from broker: Local: Broker handle destroyed without "
+    "termination",
+)
 
 
 class StandInAdmin:
@@ -92,12 +97,16 @@ def test_a_partition_between_leaders_is_asked_again_until_it_has_one(stand_in):
     assert client.requests == 3
 
 
-def test_a_request_that_timed_out_in_the_clients_queue_is_asked_again(stand_in):
-    """A request waits in librdkafka's queue while its broker's connection is down and its
-    reconnect backs off (up to 10 s after repeated resets): past the request timeout it fails
-    "timed out in queue". That is no answer, not a refusal (it ended a run when every
-    connection was cut twice a second)."""
-    client = stand_in(StandInAdmin([IN_QUEUE, 42]))
+@pytest.mark.parametrize("unanswered", [IN_QUEUE, DROPPED_BROKER], ids=lambda e: e.name())
+def test_a_request_left_unanswered_by_the_client_itself_is_asked_again(stand_in, unanswered):
+    """Two ways librdkafka ends a request without an answer, seen when every connection was
+    cut twice a second (each ended the run):
+    - "timed out in queue": it waited while its broker's connection was down and the
+      reconnect backed off (up to 10 s after repeated resets), past the request timeout;
+    - "broker handle destroyed": it was sent through a bootstrap server's handle, which the
+      client drops once a metadata answer names the brokers (a new admin client's first
+      request)."""
+    client = stand_in(StandInAdmin([unanswered, 42]))
     assert kafka_clients.stable_ends(CONF, [("in", 0)]) == {("in", 0): 42}
     assert client.requests == 2
 
