@@ -97,8 +97,8 @@ def _key(conf: dict[str, str], *extra: object) -> tuple:
 # - _TIMED_OUT_QUEUE: unanswered in the client's queue past the request timeout, its
 #   broker's connection down;
 # - _DESTROY_BROKER: sent through a broker handle the client dropped meanwhile (a bootstrap
-#   server's, dropped once a metadata answer names the brokers: rd_kafka_metadata_decommission_
-#   unavailable_brokers).
+#   server's, dropped once a metadata answer names the brokers; librdkafka's
+#   rd_kafka_metadata_decommission_unavailable_brokers).
 # Either may have reached the broker, so only reads, and requests whose second copy is
 # harmless (CreateTopics), are retried on these codes.
 NO_ANSWER = (
