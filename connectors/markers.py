@@ -24,10 +24,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from . import kafka_clients
-from .errors import OnceflowError, OptionError
+from .errors import KafkaUnreachableError, OnceflowError, OptionError
 from .offsets import TP
 from .topics import create_topic
 
@@ -47,6 +47,10 @@ MARKER_TOPIC_CONFIG = {
 }
 FIRST_SPAN = 64  # offsets read first from a partition's end; each further read is 8x longer
 MAX_TOPIC_NAME = 249
+# The key of the record a starting sink writes to learn where its marker topic ends
+# (`acknowledged_ends`). The NUL bytes keep it apart from every sink's name (its markers'
+# key); compaction keeps one such record per topic.
+END_PROBE_KEY = b"\x00end-probe\x00"
 _NOT_IN_TOPIC_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -125,7 +129,7 @@ def last_marker(
     sink: str,
     wait_s: float,
     legacy_topic: str | None = None,
-    marker_at: tuple[int, int] | None = None,
+    floor: dict[TP, int] | None = None,
 ) -> Marker | None:
     """The newest committed marker of `sink` in `topic`; while `topic` holds none, the newest
     in `legacy_topic` (if that exists).
@@ -134,16 +138,59 @@ def last_marker(
     counts as a marker, so the legacy topic is not read after it; marker topics keep
     tombstones for ever (MARKER_TOPIC_CONFIG).
 
-    `marker_at` (partition, offset): where a broker acknowledged the caller's last marker. An
-    end of that partition at or below it is not the log's end but the answer of a leader
-    that was paused past its session timeout and does not know yet that it was replaced:
-    read from it, a committed marker would look missing and its epoch be published again.
-    Such an answer is asked again.
+    `floor`: offsets of `topic` a broker acknowledged to the caller (its last marker, or the
+    records of `acknowledged_ends`). An end at or below one is not the log's end but the
+    answer of a leader that was replaced and does not know it yet (it hung past its session
+    timeout, or lost the controller): read from it, a committed marker would look missing and
+    its epoch be published again. Such an answer is asked again.
     """
-    record = _newest_committed(conf, topic, sink.encode(), wait_s, marker_at)
+    record = _newest_committed(conf, topic, sink.encode(), wait_s, floor)
     if record is None and legacy_topic:
         return legacy_marker(conf, legacy_topic, sink, wait_s)
     return _decoded(record)
+
+
+def acknowledged_ends(conf: dict[str, str], topic: str) -> dict[TP, int]:
+    """The offset of a record written to each partition of `topic` now, acknowledged by all
+    its in-sync replicas: a floor under the ends that the marker read may take (`last_marker`).
+
+    A sink that starts has no marker of its own acknowledged yet, and so no other floor. A
+    leader that was replaced cannot acknowledge this write (its followers follow the new
+    leader, and the controller refuses it a smaller ISR), so the floor is the log's own.
+    """
+    budget_s = kafka_clients.retry_budget_s()
+    producer = Producer(
+        kafka_clients.client_conf(
+            {
+                **conf,
+                "acks": "all",
+                "enable.idempotence": False,  # a second copy of the record is harmless
+                "linger.ms": 0,
+                "message.timeout.ms": int(budget_s * 1000),
+            }
+        )
+    )
+    acknowledged: dict[TP, int] = {}
+    refused: list[KafkaError] = []
+
+    def delivered(error: KafkaError | None, message: Message) -> None:
+        if error is None:
+            acknowledged[topic, message.partition()] = message.offset()
+        else:
+            refused.append(error)
+
+    partitions = _partitions(conf, topic)
+    for partition in partitions:
+        producer.produce(topic, b"", END_PROBE_KEY, partition=partition, on_delivery=delivered)
+    producer.flush(budget_s + 5)
+    if refused or len(acknowledged) < len(partitions):
+        why = refused[0].str() if refused else f"no answer within {budget_s:g}s"
+        raise KafkaUnreachableError(
+            f"the marker topic {topic!r} did not acknowledge a write ({why}), so the sink "
+            "cannot know that its marker read reaches the log's end. Check that the topic's "
+            "leader is up and that it has min.insync.replicas replicas in sync, then restart."
+        )
+    return acknowledged
 
 
 def legacy_marker(
@@ -185,7 +232,7 @@ def _newest_committed(
     topic: str,
     key: bytes,
     wait_s: float,
-    marker_at: tuple[int, int] | None = None,
+    floor: dict[TP, int] | None = None,
 ):
     """The newest committed record with `key` in `topic` (None if there is none).
 
@@ -196,7 +243,7 @@ def _newest_committed(
     settled.
     """
     tps = [(topic, p) for p in _partitions(conf, topic)]
-    ends = _settled_ends(conf, topic, tps, wait_s, marker_at)
+    ends = _settled_ends(conf, topic, tps, wait_s, floor)
     lows = kafka_clients.earliest(conf, tps)
     consumer = Consumer(
         {
@@ -231,33 +278,35 @@ def _settled_ends(
     topic: str,
     tps: list[TP],
     wait_s: float,
-    marker_at: tuple[int, int] | None = None,
+    floor: dict[TP, int] | None = None,
 ) -> dict:
     """The stable end of each partition once the transactions open on it now are settled,
-    and past `marker_at` (see last_marker)."""
+    and past `floor` (see last_marker)."""
     deadline = time.monotonic() + wait_s
     written = kafka_clients.high_watermarks(conf, tps)
-    if marker_at is not None:
-        partition, offset = marker_at
-        if written[topic, partition] <= offset:
-            log.warning(
-                "the leader of %s [%d] says it ends at offset %d, before this sink's marker at "
-                "%d: a leader that hung and does not know yet that it was replaced; asking again",
-                topic,
-                partition,
-                written[topic, partition],
-                offset,
+    behind = _behind(written, floor or {})
+    for (_, partition), offset in behind.items():
+        log.warning(
+            "the leader of %s [%d] says it ends at offset %d, before offset %d, which a broker "
+            "acknowledged to this sink: a leader that was replaced and does not know it yet; "
+            "asking again",
+            topic,
+            partition,
+            written[topic, partition],
+            offset,
+        )
+    while behind:
+        if time.monotonic() > deadline:
+            (_, partition), offset = next(iter(behind.items()))
+            raise OnceflowError(
+                f"the marker topic {topic!r} [{partition}] still ends at "
+                f"{written[topic, partition]} after {wait_s:.0f} s, but a broker acknowledged "
+                f"this sink's record at offset {offset}: its log lost acknowledged records "
+                "(an unclean leader election?). Check the brokers, then restart"
             )
-        while written[topic, partition] <= offset:
-            if time.monotonic() > deadline:
-                raise OnceflowError(
-                    f"the marker topic {topic!r} [{partition}] still ends at "
-                    f"{written[topic, partition]} after {wait_s:.0f} s, but a broker acknowledged "
-                    f"this sink's marker at offset {offset}: its log lost acknowledged records "
-                    "(an unclean leader election?). Check the brokers, then restart"
-                )
-            time.sleep(0.5)
-            written = kafka_clients.high_watermarks(conf, tps)
+        time.sleep(0.5)
+        written = kafka_clients.high_watermarks(conf, tps)
+        behind = _behind(written, floor or {})
     logged = False
     while True:
         ends = kafka_clients.stable_ends(conf, tps)
@@ -273,6 +322,11 @@ def _settled_ends(
             log.info("waiting for transactions open on %s to settle before reading it", topic)
             logged = True
         time.sleep(0.05)
+
+
+def _behind(ends: dict[TP, int], floor: dict[TP, int]) -> dict[TP, int]:
+    """The floor's offsets that `ends` do not reach past."""
+    return {tp: offset for tp, offset in floor.items() if ends.get(tp, 0) <= offset}
 
 
 def _read_range(consumer: Consumer, tp: TP, lo: int, hi: int, deadline: float) -> list[Message]:

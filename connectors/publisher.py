@@ -31,7 +31,8 @@ from .errors import (
     OnceflowError,
     TransactionTimedOutError,
 )
-from .markers import Marker, ensure_marker_topic, last_marker, legacy_marker
+from .markers import Marker, acknowledged_ends, ensure_marker_topic, last_marker, legacy_marker
+from .offsets import TP
 from .stalls import reported_if_stalled
 
 log = logging.getLogger("onceflow.sink")
@@ -103,7 +104,7 @@ class EpochPublisher:
         self.producer: Producer | None = None
         self.last: Marker | None = None
         self.marker_topic_ensured = False
-        self.marker_at: tuple[int, int] | None = None  # where the open epoch's marker went
+        self.marker_at: dict[TP, int] | None = None  # where the open epoch's marker went
         self.stats = PublisherStats()
 
     def publish(
@@ -128,9 +129,10 @@ class EpochPublisher:
             "enable.idempotence": True,
         }
 
-    def _start(self, marker_at: tuple[int, int] | None = None) -> Producer:
-        """A producer, then the last marker read after it started (see the subclasses);
-        `marker_at`: where this process' last marker was acknowledged (see last_marker)."""
+    def _start(self, floor: dict[TP, int] | None = None) -> Producer:
+        """Step 1: a producer (the transactional one fences its predecessor), then the last
+        marker, read up to the log's end: past `floor`, the offsets where this process' last
+        marker was acknowledged, or else past a record written now (see last_marker)."""
         if self.producer is None:
             if not self.marker_topic_ensured:  # (not again: its controller may hang now)
                 ensure_marker_topic(self.conf, self.marker_topic)
@@ -139,13 +141,15 @@ class EpochPublisher:
             with reported_if_stalled(f"sink {self.transactional_id!r}: starting its producer"):
                 self._init(producer)
             with reported_if_stalled(f"sink {self.transactional_id!r}: reading its last marker"):
+                if floor is None:
+                    floor = acknowledged_ends(self.conf, self.marker_topic)
                 self.last = last_marker(
                     self.conf,
                     self.marker_topic,
                     self.transactional_id,
                     2 * self.timeout_s,
                     self.legacy_marker_topic,
-                    marker_at=marker_at,
+                    floor=floor,
                 )
             self.stats.last_committed_batch = _batch(self.last)
             self.producer = producer
@@ -351,7 +355,9 @@ class TransactionalPublisher(EpochPublisher):
 
         Step 1. Start: a producer that called init_transactions (which fences any zombie with
                 our transactional id and settles the transaction it left open), then the
-                last committed marker, read after that. Only now is it known what is out.
+                last committed marker, read after that up to the log's true end (past a
+                record the marker topic acknowledged, which a replaced leader cannot do).
+                Only now is it known what is out.
         Step 2. The marker must describe this checkpoint (its query id), and be no older
                 than the last batch the checkpoint records as published (else it is read
                 again: another instance published meanwhile, fenced; or a rolled-back
@@ -457,7 +463,7 @@ class TransactionalPublisher(EpochPublisher):
     def _marker_acknowledged(self, error: KafkaError | None, message) -> None:
         """Where the marker was written (librdkafka flushes it before it asks to commit)."""
         if error is None:
-            self.marker_at = (message.partition(), message.offset())
+            self.marker_at = {(message.topic(), message.partition()): message.offset()}
 
     def _settled_by_marker(self, epoch: Epoch) -> bool:
         """After a commit of unknown outcome: True if the epoch's marker is committed.

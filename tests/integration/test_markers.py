@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 from confluent_kafka import Producer
 
-from onceflow.connectors import publisher
+from onceflow.connectors import kafka_clients, publisher
 from onceflow.connectors.checkpoint import CheckpointDir
 from onceflow.connectors.errors import (
     CheckpointMismatchError,
@@ -67,6 +67,65 @@ def test_the_last_marker_is_found_behind_aborted_attempts_and_other_sinks_marker
     producer.produce(topic, None, me.encode())  # a tombstone: start over on purpose
     producer.commit_transaction(30)
     assert last_marker(conf, topic, me, wait_s=30) is None
+
+
+def test_a_restart_reads_its_last_marker_to_the_logs_end_not_a_replaced_leaders(
+    kafka_bootstrap, new_topic, monkeypatch, caplog
+):
+    """A leader that was replaced and does not know it yet (resumed after a hang, or cut off
+    from the controller while clients still reach it) answers look-ups with its log's old
+    end. A sink that restarts after Kafka committed epoch 1 but before its checkpoint
+    recorded that, reading its marker there, would find epoch 0's and publish epoch 1 twice.
+    Here the stale answers are given to the look-ups; the reads and writes are the broker's."""
+    sink = new_topic(prefix="out")
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    txn_id = f"replaced-{uuid.uuid4().hex[:8]}"
+    topic = marker_topic_for(txn_id)
+
+    def epoch(publisher, batch_id: int, value: bytes) -> bool:
+        return publisher.publish(batch_id, "q", [(sink, None, None, value, None)], [])
+
+    crashed = TransactionalPublisher(conf, txn_id, topic)
+    assert epoch(crashed, 0, b"e0")
+    old_end = kafka_clients.high_watermarks(conf, [(topic, 0)])[topic, 0]
+    assert epoch(crashed, 1, b"e1")  # committed; the crash came before the checkpoint knew
+
+    # The replaced leader answers the look-ups of the marker topic with its old end until it
+    # has answered three high-watermark look-ups (the restart's topic check and its marker
+    # read's first two), then learns it was replaced.
+    stale = {"high watermarks left": 3}
+
+    def as_the_replaced_leader(look_up, high_watermarks: bool):
+        def answer(conf, tps):
+            ends = look_up(conf, tps)
+            if stale["high watermarks left"] <= 0:
+                return ends
+            stale["high watermarks left"] -= high_watermarks
+            return {tp: min(end, old_end) if tp[0] == topic else end for tp, end in ends.items()}
+
+        return answer
+
+    monkeypatch.setattr(
+        kafka_clients,
+        "high_watermarks",
+        as_the_replaced_leader(kafka_clients.high_watermarks, high_watermarks=True),
+    )
+    monkeypatch.setattr(
+        kafka_clients,
+        "stable_ends",
+        as_the_replaced_leader(kafka_clients.stable_ends, high_watermarks=False),
+    )
+    restarted = TransactionalPublisher(conf, txn_id, topic)
+    with caplog.at_level("WARNING", logger="onceflow.sink"):
+        assert not epoch(restarted, 1, b"e1-replayed")
+    assert "a leader that was replaced and does not know it yet" in caplog.text
+    assert epoch(restarted, 2, b"e2")
+    expected = Counter([b"e0", b"e1", b"e2"])
+    wait_until(
+        lambda: Counter(m.value() for m in read_committed(kafka_bootstrap, sink)) == expected,
+        30,
+        "each epoch once",
+    )
 
 
 def test_a_sink_has_a_marker_topic_of_its_own_unless_one_is_named(

@@ -93,21 +93,22 @@ def test_an_end_before_the_sinks_own_acknowledged_marker_is_asked_again(monkeypa
     leaders = Leaders([7, 7, 9])  # the stale leader twice, then the new one
     leaders.patch(monkeypatch)
     with caplog.at_level("WARNING", logger="onceflow.sink"):
-        assert markers._settled_ends({}, "markers", [tp], 60, marker_at=(0, 8)) == {tp: 9}
+        assert markers._settled_ends({}, "markers", [tp], 60, floor={tp: 8}) == {tp: 9}
     assert leaders.asked == 3
     assert [r.getMessage() for r in caplog.records] == [
-        "the leader of markers [0] says it ends at offset 7, before this sink's marker at 8: "
-        "a leader that hung and does not know yet that it was replaced; asking again"
+        "the leader of markers [0] says it ends at offset 7, before offset 8, which a broker "
+        "acknowledged to this sink: a leader that was replaced and does not know it yet; "
+        "asking again"
     ]
-    # Without a marker of its own (at a start), the first answer is taken.
+    # Without a floor, the first answer is taken.
     Leaders([7]).patch(monkeypatch)
     assert markers._settled_ends({}, "markers", [tp], 60) == {tp: 7}
 
 
 def test_a_log_that_stays_before_the_sinks_acknowledged_marker_stops_the_read(monkeypatch):
     Leaders([7] * 1000).patch(monkeypatch)
-    with pytest.raises(OnceflowError, match="broker acknowledged this sink's marker at offset 8"):
-        markers._settled_ends({}, "markers", [("markers", 0)], 60, marker_at=(0, 8))
+    with pytest.raises(OnceflowError, match="broker acknowledged this sink's record at offset 8"):
+        markers._settled_ends({}, "markers", [("markers", 0)], 60, floor={("markers", 0): 8})
 
 
 class Leaders:

@@ -47,7 +47,8 @@ class FakeBroker:
         self.unanswered: dict[int, list[tuple[float, int]]] = {}
         self.clock = FakeClock()
         self.offsets: dict[str, int] = {}  # the last offset acknowledged, per topic
-        self.marker_reads: list[tuple[int, int] | None] = []  # each read's marker_at
+        self.marker_reads: list[dict | None] = []  # each read's floor
+        self.end_probes: list[int] = []  # len(calls) when a start wrote its end probe
 
 
 class FakeProducer:
@@ -151,11 +152,17 @@ def broker(monkeypatch) -> FakeBroker:
     monkeypatch.setattr(publishing, "time", broker.clock)
     monkeypatch.setattr(publishing, "ensure_marker_topic", lambda conf, topic: None)
 
-    def last_marker(*_args, marker_at=None):
-        broker.marker_reads.append(marker_at)
+    def last_marker(*_args, floor=None):
+        broker.marker_reads.append(floor)
         return broker.marker
 
+    def acknowledged_ends(_conf, topic):
+        broker.end_probes.append(len(broker.calls))
+        broker.offsets[topic] = broker.offsets.get(topic, -1) + 1
+        return {(topic, 0): broker.offsets[topic]}
+
     monkeypatch.setattr(publishing, "last_marker", last_marker)
+    monkeypatch.setattr(publishing, "acknowledged_ends", acknowledged_ends)
     return broker
 
 
@@ -273,6 +280,19 @@ def test_an_epoch_is_one_transaction_with_the_marker_last(broker):
     assert broker.marker == Marker(SINK, 0, "q", 2, OFFSETS)
 
 
+def test_a_start_reads_its_last_marker_past_a_record_written_after_it_fenced_its_predecessor(
+    broker,
+):
+    """A process that starts has no marker of its own acknowledged: its read's floor is a
+    record the marker topic acknowledged after init_transactions (a replaced leader that
+    still answers reads cannot acknowledge one), so the end it reads to is the log's."""
+    publisher = exactly_once()
+    assert publisher.publish(0, "q", records(1), OFFSETS)
+    init = broker.calls.index((0, "init_transactions"))
+    assert broker.end_probes == [init + 1]  # once, right after init_transactions
+    assert broker.marker_reads == [{(MARKERS, 0): 0}]
+
+
 def test_a_commit_of_unknown_outcome_that_landed_is_settled_by_the_marker(broker):
     broker.commit_errors = [KafkaError(KafkaError._TIMED_OUT, "timed out", retriable=True)]
     broker.commit_lands = True
@@ -285,8 +305,9 @@ def test_a_commit_of_unknown_outcome_that_landed_is_settled_by_the_marker(broker
     ]
     assert len(produced(broker, "out")) == 2
     assert publisher.stats.transactions_committed == 1
-    # The read after it must reach past where the marker was acknowledged.
-    assert broker.marker_reads == [None, (0, 0)]
+    # The first read reaches past the start's end probe (offset 0), the read after the
+    # commit past where the marker was acknowledged (offset 1).
+    assert broker.marker_reads == [{(MARKERS, 0): 0}, {(MARKERS, 0): 1}]
 
 
 def test_a_commit_of_unknown_outcome_that_did_not_land_is_produced_again(broker):
@@ -398,7 +419,7 @@ def test_a_commit_left_unanswered_that_landed_is_not_published_again(broker):
     assert publisher.publish(0, "q", records(2), OFFSETS)
     assert len(broker.producers) == 2
     assert len(produced(broker, "out")) == 2
-    assert broker.marker_reads == [None, (0, 0)]
+    assert broker.marker_reads == [{(MARKERS, 0): 0}, {(MARKERS, 0): 1}]
     assert publisher.stats.transactions_committed == 1
 
 
