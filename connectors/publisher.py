@@ -414,7 +414,7 @@ class TransactionalPublisher(EpochPublisher):
                 self._abort()  # e.g. a record that cannot be produced: leave nothing open
                 raise
             # Step 5
-            watch = CommitWatch(producer, self.timeout_s, stall_s)
+            watch = CommitWatch(producer, epoch.batch_id, self.timeout_s, stall_s)
             try:
                 faults.point("before_kafka_commit", epoch.batch_id)
                 committed = self._commit_transaction(watch, epoch.batch_id)
@@ -424,7 +424,7 @@ class TransactionalPublisher(EpochPublisher):
                 if fenced or error.fatal():
                     raise self._failure(exc, began, epoch, fenced) from exc
                 if watch.paused:
-                    raise watch.paused_error(epoch.batch_id, f"it failed ({error})") from exc
+                    raise watch.paused_error(f"it failed ({error})") from exc
                 log.warning(
                     "epoch %d: commit failed (%s); a new producer settles the transaction and "
                     "reads the marker",
@@ -605,8 +605,11 @@ def _marker(sink: str, epoch: Epoch, records: int) -> Marker:
 class CommitWatch:
     """One commit_transaction, waited for in slices (librdkafka resumes it on each call)."""
 
-    def __init__(self, producer: Producer, timeout_s: float, stall_s: float | None) -> None:
-        self.producer, self.timeout_s, self.stall_s = producer, timeout_s, stall_s
+    def __init__(
+        self, producer: Producer, batch_id: int, timeout_s: float, stall_s: float | None
+    ) -> None:
+        self.producer, self.batch_id = producer, batch_id
+        self.timeout_s, self.stall_s = timeout_s, stall_s
         self.paused = False  # this process did not run for PAUSED_S or more meanwhile
 
     def commit(self) -> bool:
@@ -636,21 +639,19 @@ class CommitWatch:
                 answered = now
             waiting, last = len(self.producer), now
             if self.paused and now - answered >= COMMIT_SLICE_S + PAUSED_S:
-                raise self.paused_error(
-                    None, f"Kafka has not answered it in {now - answered:.0f} s"
-                )
+                raise self.paused_error(f"Kafka has not answered it in {now - answered:.0f} s")
             if not self.paused and self.stall_s is not None and now - answered >= self.stall_s:
                 return False
             if not self.paused and now - began >= self.timeout_s:
                 raise timed_out
 
-    def paused_error(self, batch_id: int | None, what: str) -> OnceflowError:
-        epoch = f"epoch {batch_id}'s" if batch_id is not None else "a"
+    def paused_error(self, what: str) -> OnceflowError:
         return OnceflowError(
-            f"this process was paused in {epoch} Kafka commit, and since it resumed {what}: the "
-            "run stops rather than settle the transaction with a new producer, which would "
-            "fence an instance that took the app over meanwhile. A restart settles it (the "
-            "checkpoint's lease refuses the restart while another instance runs the app)."
+            f"this process was paused in epoch {self.batch_id}'s Kafka commit, and since it "
+            f"resumed {what}: the run stops rather than settle the transaction with a new "
+            "producer, which would fence an instance that took the app over meanwhile. A "
+            "restart settles it (the checkpoint's lease refuses the restart while another "
+            "instance runs the app)."
         )
 
 
