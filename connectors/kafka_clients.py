@@ -605,6 +605,13 @@ def _replaced_after_no_answer(conf: dict[str, str], failure: BaseException) -> N
         _replace_admin(conf)
 
 
+def ask_afresh(conf: dict[str, str]) -> None:
+    """The next look-ups for `conf` go through a new admin client (see _replace_admin), which
+    reads the cluster's metadata again from a bootstrap server: after an answer that looks
+    stale, such as a replaced leader's, which the old client would keep asking."""
+    _replace_admin(conf)
+
+
 def _replace_admin(conf: dict[str, str]) -> None:
     """The next admin(conf) makes a new client, unless this one is younger than
     ADMIN_REPLACED_EVERY_S: a new client never counts a broker that did not answer its first

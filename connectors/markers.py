@@ -166,7 +166,8 @@ def acknowledged_ends(conf: dict[str, str], topic: str) -> dict[TP, int]:
                 "acks": "all",
                 "enable.idempotence": False,  # a second copy of the record is harmless
                 "linger.ms": 0,
-                "message.timeout.ms": int(budget_s * 1000),
+                "request.timeout.ms": kafka_clients.PRODUCE_WAIT_MS,
+                "message.timeout.ms": min(max(int(budget_s * 1000), 1), 2**31 - 1),
             }
         )
     )
@@ -183,6 +184,11 @@ def acknowledged_ends(conf: dict[str, str], topic: str) -> dict[TP, int]:
     for partition in partitions:
         producer.produce(topic, b"", END_PROBE_KEY, partition=partition, on_delivery=delivered)
     producer.flush(budget_s + 5)
+    if refused and refused[0].code() in _NOT_AUTHORIZED:
+        raise OnceflowError(
+            f"the sink may not write to its marker topic {topic!r} ({refused[0].str()}): grant "
+            "the app's Kafka user Write on it, then restart."
+        )
     if refused or len(acknowledged) < len(partitions):
         why = refused[0].str() if refused else f"no answer within {budget_s:g}s"
         raise KafkaUnreachableError(
@@ -284,12 +290,13 @@ def _settled_ends(
     and past `floor` (see last_marker)."""
     deadline = time.monotonic() + wait_s
     written = kafka_clients.high_watermarks(conf, tps)
-    behind = _behind(written, floor or {})
+    floor = {tp: offset for tp, offset in (floor or {}).items() if tp in written}
+    behind = _behind(written, floor)
     for (_, partition), offset in behind.items():
         log.warning(
             "the leader of %s [%d] says it ends at offset %d, before offset %d, which a broker "
             "acknowledged to this sink: a leader that was replaced and does not know it yet; "
-            "asking again",
+            "asking again, through a client that looks the leader up afresh",
             topic,
             partition,
             written[topic, partition],
@@ -301,12 +308,17 @@ def _settled_ends(
             raise OnceflowError(
                 f"the marker topic {topic!r} [{partition}] still ends at "
                 f"{written[topic, partition]} after {wait_s:.0f} s, but a broker acknowledged "
-                f"this sink's record at offset {offset}: its log lost acknowledged records "
-                "(an unclean leader election?). Check the brokers, then restart"
+                f"this sink's record at offset {offset}: a broker still answers as its leader "
+                "after it was replaced (cut off from the controller?), or its log lost "
+                "acknowledged records (an unclean leader election?). Check the brokers, then "
+                "restart"
             )
+        # The client asked the replaced leader because its metadata names it; a new client's
+        # metadata comes from a bootstrap server, which names the new one.
+        kafka_clients.ask_afresh(conf)
         time.sleep(0.5)
         written = kafka_clients.high_watermarks(conf, tps)
-        behind = _behind(written, floor or {})
+        behind = _behind(written, floor)
     logged = False
     while True:
         ends = kafka_clients.stable_ends(conf, tps)
@@ -326,7 +338,7 @@ def _settled_ends(
 
 def _behind(ends: dict[TP, int], floor: dict[TP, int]) -> dict[TP, int]:
     """The floor's offsets that `ends` do not reach past."""
-    return {tp: offset for tp, offset in floor.items() if ends.get(tp, 0) <= offset}
+    return {tp: offset for tp, offset in floor.items() if ends[tp] <= offset}
 
 
 def _read_range(consumer: Consumer, tp: TP, lo: int, hi: int, deadline: float) -> list[Message]:

@@ -76,7 +76,9 @@ def test_a_restart_reads_its_last_marker_to_the_logs_end_not_a_replaced_leaders(
     from the controller while clients still reach it) answers look-ups with its log's old
     end. A sink that restarts after Kafka committed epoch 1 but before its checkpoint
     recorded that, reading its marker there, would find epoch 0's and publish epoch 1 twice.
-    Here the stale answers are given to the look-ups; the reads and writes are the broker's."""
+    Here the stale answers are given to the look-ups made through the admin client that
+    existed at the restart, whose metadata names the replaced leader; the reads and writes
+    are the broker's."""
     sink = new_topic(prefix="out")
     conf = {"bootstrap.servers": kafka_bootstrap}
     txn_id = f"replaced-{uuid.uuid4().hex[:8]}"
@@ -90,31 +92,21 @@ def test_a_restart_reads_its_last_marker_to_the_logs_end_not_a_replaced_leaders(
     old_end = kafka_clients.high_watermarks(conf, [(topic, 0)])[topic, 0]
     assert epoch(crashed, 1, b"e1")  # committed; the crash came before the checkpoint knew
 
-    # The replaced leader answers the look-ups of the marker topic with its old end until it
-    # has answered three high-watermark look-ups (the restart's topic check and its marker
-    # read's first two), then learns it was replaced.
-    stale = {"high watermarks left": 3}
+    names_the_replaced_leader = kafka_clients.admin(conf)
 
-    def as_the_replaced_leader(look_up, high_watermarks: bool):
+    def as_the_replaced_leader(look_up):
         def answer(conf, tps):
             ends = look_up(conf, tps)
-            if stale["high watermarks left"] <= 0:
+            if kafka_clients.admin(conf) is not names_the_replaced_leader:
                 return ends
-            stale["high watermarks left"] -= high_watermarks
             return {tp: min(end, old_end) if tp[0] == topic else end for tp, end in ends.items()}
 
         return answer
 
-    monkeypatch.setattr(
-        kafka_clients,
-        "high_watermarks",
-        as_the_replaced_leader(kafka_clients.high_watermarks, high_watermarks=True),
-    )
-    monkeypatch.setattr(
-        kafka_clients,
-        "stable_ends",
-        as_the_replaced_leader(kafka_clients.stable_ends, high_watermarks=False),
-    )
+    monkeypatch.setattr(kafka_clients, "ADMIN_REPLACED_EVERY_S", 0.0)
+    for look_up in ("high_watermarks", "stable_ends"):
+        replaced = as_the_replaced_leader(getattr(kafka_clients, look_up))
+        monkeypatch.setattr(kafka_clients, look_up, replaced)
     restarted = TransactionalPublisher(conf, txn_id, topic)
     with caplog.at_level("WARNING", logger="onceflow.sink"):
         assert not epoch(restarted, 1, b"e1-replayed")

@@ -95,10 +95,11 @@ def test_an_end_before_the_sinks_own_acknowledged_marker_is_asked_again(monkeypa
     with caplog.at_level("WARNING", logger="onceflow.sink"):
         assert markers._settled_ends({}, "markers", [tp], 60, floor={tp: 8}) == {tp: 9}
     assert leaders.asked == 3
+    assert leaders.afresh == 2  # each time through a new client: the old one asks the stale
     assert [r.getMessage() for r in caplog.records] == [
         "the leader of markers [0] says it ends at offset 7, before offset 8, which a broker "
         "acknowledged to this sink: a leader that was replaced and does not know it yet; "
-        "asking again"
+        "asking again, through a client that looks the leader up afresh"
     ]
     # Without a floor, the first answer is taken.
     Leaders([7]).patch(monkeypatch)
@@ -117,6 +118,10 @@ class Leaders:
 
     def __init__(self, ends: list[int]) -> None:
         self.ends, self.asked, self.clock = ends, 0, 0.0
+        self.afresh = 0  # new admin clients asked for
+
+    def ask_afresh(self, conf) -> None:
+        self.afresh += 1
 
     def high_watermarks(self, conf, tps) -> dict:
         self.asked += 1
@@ -131,5 +136,6 @@ class Leaders:
     def patch(self, monkeypatch) -> None:
         monkeypatch.setattr(markers.kafka_clients, "high_watermarks", self.high_watermarks)
         monkeypatch.setattr(markers.kafka_clients, "stable_ends", self.stable_ends)
+        monkeypatch.setattr(markers.kafka_clients, "ask_afresh", self.ask_afresh)
         clock = SimpleNamespace(sleep=self.sleep, monotonic=lambda: self.clock)
         monkeypatch.setattr(markers, "time", clock)

@@ -218,6 +218,17 @@ def test_a_replay_with_the_markers_offsets_is_skipped(broker):
     assert len(produced(broker, "out")) == 2
 
 
+def test_the_read_again_for_a_checkpoint_ahead_of_the_marker_reaches_the_logs_end(broker):
+    """Step 2's second read (the checkpoint records a later batch than the marker) has a
+    floor too: from a replaced leader, another instance's newer marker would look missing,
+    and the run would stop with advice to delete the checkpoint instead of as fenced."""
+    assert exactly_once().publish(2, "q", records(1), OFFSETS)
+    ahead = publishing.Epoch(3, "q", OFFSETS, records(1), checkpoint_published=3)
+    with pytest.raises(CheckpointMismatchError):
+        exactly_once().publish_epoch(ahead)
+    assert broker.marker_reads[-1] == {(MARKERS, 0): 3}  # past a record written just now
+
+
 def test_a_replay_planned_with_other_offsets_is_refused_naming_both(broker):
     """A checkpoint restored from an older copy re-plans batch 3 with other offsets."""
     assert exactly_once().publish(3, "q", records(2), OFFSETS)
