@@ -229,10 +229,11 @@ class EpochPublisher:
         if recorded <= _batch(last) or (last is not None and last.query_id != epoch.query_id):
             return last  # (another checkpoint's marker is refused by Step 2, naming both)
         wait_s = 2 * self.timeout_s
-        floor = acknowledged_ends(self.conf, self.marker_topic)  # (see Step 1)
-        newest = last_marker(
-            self.conf, self.marker_topic, self.transactional_id, wait_s, floor=floor
-        )
+        with reported_if_stalled(f"sink {self.transactional_id!r}: reading its marker again"):
+            floor = acknowledged_ends(self.conf, self.marker_topic)  # (see Step 1)
+            newest = last_marker(
+                self.conf, self.marker_topic, self.transactional_id, wait_s, floor=floor
+            )
         if _batch(newest) >= recorded:
             raise self._fenced()
         if self.legacy_marker_topic:
