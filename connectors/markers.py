@@ -314,7 +314,8 @@ def _settled_ends(
                 "restart"
             )
         # The client asked the replaced leader because its metadata names it; a new client's
-        # metadata comes from a bootstrap server, which names the new one.
+        # metadata comes afresh from a bootstrap server (any but the cut-off node names the
+        # new leader).
         kafka_clients.ask_afresh(conf)
         time.sleep(0.5)
         written = kafka_clients.high_watermarks(conf, tps)
