@@ -62,16 +62,26 @@ ROUND_SPAN_MS = 3_600_000  # event time covered by one round's backlog
 
 
 class Clicks:
-    """Click records whose event times only move forward, round after round."""
+    """Click records whose event times only move forward, round after round; with
+    `transactional`, each `produce` call's clicks are one transaction, as another
+    exactly-once pipeline (onceflow's, Kafka Streams') writes its output."""
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, transactional: bool = False) -> None:
         self.topic = topic
-        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20})
+        conf = {"bootstrap.servers": bootstrap, "linger.ms": 20}
+        if transactional:
+            conf["transactional.id"] = f"bench-clicks-{topic}"
+        self.producer = Producer(conf)
+        self.transactional = transactional
+        if transactional:
+            self.producer.init_transactions(30)
         self.rng = random.Random(11)
         self.next_ms = BASE_MS
 
     def produce(self, count: int, span_ms: int = ROUND_SPAN_MS) -> None:
         step = max(1, span_ms // max(count, 1))
+        if self.transactional:
+            self.producer.begin_transaction()
         for _ in range(count):
             user = self.rng.choice(USERS)
             value = json.dumps(
@@ -84,6 +94,8 @@ class Clicks:
                 except BufferError:
                     self.producer.poll(0.05)
             self.next_ms += step
+        if self.transactional:
+            self.producer.commit_transaction(60)
         assert self.producer.flush(60) == 0, "the bench producer could not deliver its clicks"
 
 
@@ -306,19 +318,28 @@ class Bench:
     def small_epochs(self, seconds: float, rate: int = 5) -> dict:
         """An epoch's fixed cost, windowed and pass-through: Spark runs no epoch without new
         input, so the input is a trickle (`rate` clicks a second, a few per epoch at the
-        default 1 s trigger). Medians of onceflow's phases and of Spark's own (`phases_ms`)."""
-        return {kind: self._trickle(kind, seconds, rate) for kind in ("windowed", "pass_through")}
+        default 1 s trigger). Medians of onceflow's phases and of Spark's own (`phases_ms`).
+        `pass_through_of_transactions`: the input is written as an exactly-once pipeline
+        writes its output, a transaction per click (`rate` transactions a second)."""
+        kinds = ("windowed", "pass_through", "pass_through_of_transactions")
+        return {kind: self._trickle(kind, seconds, rate) for kind in kinds}
 
     def _trickle(self, kind: str, seconds: float, rate: int) -> dict:
         source, output = self.topic(f"trickle-{kind}-in"), self.topic(f"trickle-{kind}-out")
         path = self.pipeline(f"trickle-{kind}", source, output, windowed=kind == "windowed")
-        clicks = Clicks(self.bootstrap, source)
+        per_transaction = kind == "pass_through_of_transactions"
+        clicks = Clicks(self.bootstrap, source, transactional=per_transaction)
         log = self.work / f"trickle-{kind}.log"
         process = self.start(path, log)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            clicks.produce(rate, span_ms=1_000)
-            time.sleep(1)
+            if per_transaction:
+                for _ in range(rate):
+                    clicks.produce(1, span_ms=1_000 // rate)
+                    time.sleep(1 / rate)
+            else:
+                clicks.produce(rate, span_ms=1_000)
+                time.sleep(1)
         process.send_signal(signal.SIGTERM)
         process.wait(120)
         epochs = [e for e in _epochs(log) if 0 < e["input_records"] <= 5 * rate][3:]  # warm

@@ -54,6 +54,12 @@ ATTEMPT_TIMEOUT_S = 5
 OFFSETS_FIRST_ATTEMPT_TIMEOUT_S = 2
 _attempt = threading.local()  # the number of the look-up attempt running on this thread
 PREFETCH_MESSAGES = 20_000
+# How long one `consume` call of a read may wait. It returns early only with every record it
+# asked for, and transaction markers and aborted records take offsets but are never returned:
+# a read of a range that holds one asks for more records than come, and each call waits its
+# whole timeout before the consumer's position shows the gap passed. So the reads ask briefly
+# and check the position between calls.
+CONSUME_WAIT_S = 0.01
 DEFAULT_RETRY_BUDGET_S = 60.0
 
 

@@ -350,7 +350,7 @@ def _read_range(consumer: Consumer, tp: TP, lo: int, hi: int, deadline: float) -
     records: list[Message] = []
     try:
         while True:
-            for msg in consumer.consume(1_000, 0.2):
+            for msg in consumer.consume(1_000, kafka_clients.CONSUME_WAIT_S):
                 if msg.error() is not None and msg.error().code() == KafkaError._AUTO_OFFSET_RESET:
                     raise OnceflowError(
                         f"offsets {lo}-{hi} of the marker topic {topic} [{partition}] were "

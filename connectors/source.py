@@ -473,7 +473,9 @@ def read_range(
     try:
         while position < r.end:
             before = position
-            messages = consumer.consume(min(ARROW_BATCH_ROWS, r.end - position), 1.0)
+            messages = consumer.consume(
+                min(ARROW_BATCH_ROWS, r.end - position), kafka_clients.CONSUME_WAIT_S
+            )
             for msg in messages:
                 err = msg.error()
                 if err is None:

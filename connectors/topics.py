@@ -92,7 +92,7 @@ def read_committed(conf: dict[str, str] | str, topic: str, timeout: float = 60.0
         while pending:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"reading {topic} did not reach its stable end in {timeout}s")
-            for msg in consumer.consume(10_000, 0.2):
+            for msg in consumer.consume(10_000, kafka_clients.CONSUME_WAIT_S):
                 if msg.error() is not None:
                     raise KafkaException(msg.error())
                 if msg.offset() < ends[(topic, msg.partition())]:

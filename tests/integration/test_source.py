@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 from collections import Counter
 
@@ -74,6 +75,41 @@ def test_aborted_transactions_never_appear_and_nothing_is_skipped(
     rows, _ = drain(df, str(tmp_path / "ck"))
     got = {p: [v for _, v in recs] for p, recs in records_of(rows).items()}
     assert got == expected
+
+
+def test_a_read_ending_on_a_transaction_marker_does_not_wait_for_a_record(
+    kafka_bootstrap, new_topic
+):
+    """A transaction's commit marker takes an offset but is never delivered, so every range
+    of a topic written in transactions (the output of another pipeline) ends on one. The
+    read ends when the consumer's position passes it; it used to wait out a consume call
+    that asked for one record more than came: 1 s per range."""
+    from onceflow.connectors.source import read_range
+
+    topic = new_topic(partitions=1)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "transactional.id": topic})
+    producer.init_transactions(30)
+    for txn in range(4):  # offsets 6k..6k+4 the records, 6k+5 the marker
+        producer.begin_transaction()
+        for i in range(5):
+            producer.produce(topic, value=f"t{txn}-{i}".encode(), partition=0)
+        if txn == 2:
+            producer.flush(30)
+            producer.abort_transaction(30)
+        else:
+            producer.commit_transaction(30)
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    list(read_range(conf, OffsetRange(topic, 0, 0, 1), True))  # the consumer, connected
+
+    took, values = [], Counter()
+    for lo, hi in ((0, 6), (6, 12), (12, 18), (18, 24), (0, 24)):
+        start = time.monotonic()
+        batches = list(read_range(conf, OffsetRange(topic, 0, lo, hi), True))
+        took.append(round(time.monotonic() - start, 3))
+        values.update(v for b in batches for v in b.column("value").to_pylist())
+    expected = Counter(f"t{txn}-{i}".encode() for txn in (0, 1, 3) for i in range(5))
+    assert values == expected + expected  # each range once, then all of them again
+    assert max(took) < 0.5, f"seconds per read: {took}"
 
 
 def test_open_input_transaction_holds_back_only_its_partition(
@@ -449,6 +485,27 @@ def test_a_long_read_is_never_taken_for_a_stall(kafka_bootstrap, new_topic, monk
     produce(kafka_bootstrap, topic, ((None, b"v", 0) for _ in range(60_000)))
     clock = itertools.count(0, 61)  # thread-safe: other threads may read the clock too
     monkeypatch.setattr(source.time, "monotonic", lambda: next(clock))
+    range_consumer = kafka_clients.range_consumer
+    monkeypatch.setattr(
+        kafka_clients, "range_consumer", lambda conf: _RecordsEveryCall(range_consumer(conf))
+    )
     conf = {"bootstrap.servers": kafka_bootstrap}
     batches = list(read_range(conf, OffsetRange(topic, 0, 0, 60_000), True))
     assert [o for b in batches for o in b.column("offset").to_pylist()] == list(range(60_000))
+
+
+class _RecordsEveryCall:
+    """A consumer whose consume calls come back only with records: a call that came back
+    empty (a fetch still on its way) is no progress, and with a clock that jumps 61 s per
+    look it would count as a stall."""
+
+    def __init__(self, consumer) -> None:
+        self._consumer = consumer
+
+    def consume(self, count: int, timeout: float) -> list:
+        while not (messages := self._consumer.consume(count, timeout)):
+            pass
+        return messages
+
+    def __getattr__(self, name: str):
+        return getattr(self._consumer, name)
