@@ -488,7 +488,13 @@ def read_range(
                         consumer, r, position, fail_on_data_loss, checkpoint, out_of_range_since
                     )
                     break
-                elif err.code() != KafkaError._PARTITION_EOF:
+                elif err.code() == KafkaError._PARTITION_EOF:
+                    # Every record before the partition's stable end came before this event.
+                    # Aborted records just before another producer's open transaction move
+                    # the position no further: none is delivered, and their abort marker
+                    # lies past the stable end.
+                    position = max(position, msg.offset())
+                else:
                     raise KafkaException(err)
             else:  # past gaps (transaction markers, aborted records) the position says more
                 position = max(position, consumer.position([tp])[0].offset)

@@ -112,6 +112,40 @@ def test_a_read_ending_on_a_transaction_marker_does_not_wait_for_a_record(
     assert max(took) < 0.5, f"seconds per read: {took}"
 
 
+def test_a_range_ending_in_aborted_records_before_an_open_transaction_is_read_to_its_end(
+    kafka_bootstrap, new_topic, monkeypatch
+):
+    """Aborted records just before another producer's open transaction: none is delivered
+    and their abort marker lies past the stable end, so the consumer's position stays at
+    their start. The partition's end event says the range is read; the read used to wait for
+    a position that moved only once the other transaction ended, and failed as stalled."""
+    from onceflow.connectors import source
+    from onceflow.connectors.source import read_range
+
+    monkeypatch.setattr(source, "READ_STALL_TIMEOUT_S", 5.0)
+    topic = new_topic(partitions=1)
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    produce(kafka_bootstrap, topic, [(None, b"before", 0)])  # offset 0
+    aborted, still_open = (
+        Producer({**conf, "transactional.id": f"{topic}-{name}"}) for name in ("a", "b")
+    )
+    for producer in (aborted, still_open):
+        producer.init_transactions(30)
+        producer.begin_transaction()
+    for _ in range(3):  # offsets 1-3
+        aborted.produce(topic, value=b"aborted", partition=0)
+    aborted.flush(30)
+    still_open.produce(topic, value=b"open", partition=0)  # offset 4
+    still_open.flush(30)
+    aborted.abort_transaction(30)  # its marker at offset 5
+    try:
+        assert kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 4}
+        batches = list(read_range(conf, OffsetRange(topic, 0, 0, 4), True))
+        assert [v for b in batches for v in b.column("value").to_pylist()] == [b"before"]
+    finally:
+        still_open.abort_transaction(30)
+
+
 def test_open_input_transaction_holds_back_only_its_partition(
     spark, kafka_bootstrap, new_topic, tmp_path
 ):
@@ -503,9 +537,10 @@ class _RecordsEveryCall:
         self._consumer = consumer
 
     def consume(self, count: int, timeout: float) -> list:
-        while not (messages := self._consumer.consume(count, timeout)):
-            pass
-        return messages
+        for _ in range(3_000):
+            if messages := self._consumer.consume(count, timeout):
+                return messages
+        raise AssertionError(f"no record came in {3_000 * timeout:.0f} s")
 
     def __getattr__(self, name: str):
         return getattr(self._consumer, name)
