@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import yaml
@@ -39,8 +40,10 @@ class Service:
     """`onceflow run PIPELINE` in its own process group, as an operator would run it."""
 
     kills = 0  # by the test or by a fault point, over all services of a test
+    started: ClassVar[list[Service]] = []  # of the running test (see stop_leftovers)
 
     def __init__(self, pipeline: Path, log: Path, *flags: str, fault: str = ""):
+        Service.started.append(self)
         env = {**os.environ, "ONCEFLOW_FAULT": fault}
         env.pop("ONCEFLOW_SERVICE_PGID", None)
         args = [sys.executable, "-m", "onceflow.cli", "run", str(pipeline), *flags]
@@ -60,10 +63,23 @@ class Service:
     def kill(self) -> None:
         """kill -9 the whole service: driver, JVM and the Python workers' group."""
         Service.kills += 1
+        self._kill()
+
+    def _kill(self) -> None:
         for pid in [*_descendants(self.process.pid), self.process.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
         self.process.wait(30)
+
+    @classmethod
+    def stop_leftovers(cls) -> None:
+        """Kill every service the test left running: one that failed while a service ran
+        (a wait that timed out) would leave it in a session of its own, holding a core, a
+        port and its checkpoint's lease for the tests after."""
+        for service in cls.started:
+            if service.process.poll() is None:
+                service._kill()
+        cls.started = []
 
     def terminate(self) -> int:
         self.process.send_signal(signal.SIGTERM)
@@ -318,14 +334,17 @@ def kill_each_run_at_random(
     kills: int,
     default_seed: int,
     after_first_epoch: Callable[[int], None] = lambda run: None,
+    before_run: Callable[[int], None] = lambda run: None,
 ) -> None:
     """Start the service `kills` times and SIGKILL each run at a random moment (0-2 s) after
-    its first committed epoch; `after_first_epoch(run)` runs just before the pause. Prints
-    the seed (ONCEFLOW_FAULT_SEED replays it), the delays and the epochs of each run."""
+    its first committed epoch; `before_run(run)` runs before it starts, `after_first_epoch(run)`
+    just before the pause. Prints the seed (ONCEFLOW_FAULT_SEED replays it), the delays and
+    the epochs of each run."""
     seed = int(os.environ.get("ONCEFLOW_FAULT_SEED", str(default_seed)))
     rng = random.Random(seed)
     delays, committed = [], []
     for run in range(kills):
+        before_run(run)
         service = app.service(pipeline)
         wait_until(
             lambda s=service: _epochs_done(s) or s.process.poll() is not None,

@@ -81,15 +81,26 @@ def test_producers_switch_schema_mid_run_under_random_sigkills(
     )
 
     checkpoint = tmp_path / "checkpoint"
+    # The v2 records, a part per run: each run has records to commit an epoch of, however
+    # far the run before it read before its kill.
+    share = (records - half) // kills
+    parts = [range(half + run * share, half + (run + 1) * share) for run in range(kills)]
+    parts[-1] = range(parts[-1].start, records)
 
     def switch_to_v2(run: int) -> None:
         """The producers move on while the first run reads v1, and that run commits an epoch
         with v2 records before its kill (the same process meets the new id)."""
         if run == 0:
-            write(v2, enumerate(events[half:], start=half))
+            write(v2, ((i, events[i]) for i in parts[0]))
             wait_until(lambda: _committed_through(checkpoint) > half, 120, "a v2 epoch")
 
-    kill_each_run_at_random(app, pipeline, kills, 20261125, after_first_epoch=switch_to_v2)
+    def more_v2(run: int) -> None:
+        if run > 0:
+            write(v2, ((i, events[i]) for i in parts[run]))
+
+    kill_each_run_at_random(
+        app, pipeline, kills, 20261125, after_first_epoch=switch_to_v2, before_run=more_v2
+    )
     write(v2, [(0, ("u0", FLUSH_TS))])  # moves the watermark past every window of `events`
     app.drain(pipeline)
     app.check_windows()
