@@ -69,6 +69,8 @@ def read_committed(conf: dict[str, str] | str, topic: str, timeout: float = 60.0
 
     A partition is finished when the consumer *position* reaches the stable end offset, not
     when a record with offset end-1 arrives: transaction markers and aborted records leave gaps.
+    Or when its end event comes: aborted records just before another producer's open
+    transaction move the position no further (see source.read_range).
     """
     conf = _conf(conf)
     meta = kafka_clients.admin(conf).list_topics(topic, timeout=15).topics[topic]
@@ -81,24 +83,32 @@ def read_committed(conf: dict[str, str] | str, topic: str, timeout: float = 60.0
             "group.id": f"onceflow-reader-{uuid.uuid4()}",
             "isolation.level": "read_committed",
             "enable.auto.commit": False,
-            "enable.partition.eof": False,
+            "enable.partition.eof": True,
         }
     )
     try:
         pending = [TopicPartition(t, p, OFFSET_BEGINNING) for (t, p), end in ends.items() if end]
         consumer.assign(pending)
         records: list = []
+        at_end: dict[int, int] = {}  # partition -> the offset of its last end event
         deadline = time.monotonic() + timeout
         while pending:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"reading {topic} did not reach its stable end in {timeout}s")
             for msg in consumer.consume(10_000, kafka_clients.CONSUME_WAIT_S):
-                if msg.error() is not None:
-                    raise KafkaException(msg.error())
-                if msg.offset() < ends[(topic, msg.partition())]:
+                error = msg.error()
+                if error is not None and error.code() == KafkaError._PARTITION_EOF:
+                    at_end[msg.partition()] = msg.offset()
+                elif error is not None:
+                    raise KafkaException(error)
+                elif msg.offset() < ends[(topic, msg.partition())]:
                     records.append(msg)
             positions = consumer.position(pending)
-            pending = [p for p in positions if p.offset < ends[(topic, p.partition)]]
+            pending = [
+                p
+                for p in positions
+                if max(p.offset, at_end.get(p.partition, -1)) < ends[(topic, p.partition)]
+            ]
         records.sort(key=lambda m: (m.partition(), m.offset()))
         return records
     finally:
