@@ -10,7 +10,6 @@ $(INSTALLED): pyproject.toml deploy/constraints.txt
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --progress-bar off -c deploy/constraints.txt -e '.[test]'
 	$(VENV)/bin/python -m onceflow.pyspark_bytecode
-	$(VENV)/bin/python -m onceflow.local_fs
 	$(VENV)/bin/python -m onceflow.class_archive
 	touch $@
 

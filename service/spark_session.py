@@ -11,7 +11,7 @@ import sys
 import threading
 from collections.abc import Mapping
 
-from . import class_archive, forkserver, local_fs, logs
+from . import class_archive, forkserver, logs
 
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 
@@ -86,8 +86,6 @@ def build_session(
     from pyspark.sql import SparkSession
 
     settings = dict(DEFAULT_CONF)
-    file_system = local_fs.spark_conf(master, conf or {})
-    settings |= file_system
     java_options = driver_java_options(conf or {})
     if java_options:  # a user's own JVM options replace these
         settings["spark.driver.extraJavaOptions"] = java_options
@@ -97,11 +95,7 @@ def build_session(
     # pyspark's Py4J converters import pandas and pyarrow (`pyspark.testing.utils`) at the
     # first call into the JVM: imported while the JVM starts, they are there by then.
     importing = _import_in_background("pyarrow", "pandas")
-    with (
-        forkserver.spark_python(launcher),
-        local_fs.on_class_path(bool(file_system)),
-        logs.for_spark_processes(),
-    ):
+    with forkserver.spark_python(launcher), logs.for_spark_processes():
         spark = builder.getOrCreate()
     if importing is not None:
         importing.join()
