@@ -338,12 +338,6 @@ FIRST_ANSWER_TIMEOUT_MS = 3_000
 # default, 30 s, is longer than the client waits for an answer: a slow but live broker would
 # be dropped and reconnected as if it hung. A producer setting (publisher.producer_config).
 PRODUCE_WAIT_MS = 4_000
-# A new producer or consumer connects to the broker its bootstrap server names only once half
-# of `reconnect.backoff.ms` has passed since its first connection (librdkafka's sparse
-# connections, rd_kafka_connect_any; at least 11 ms): with the default 100 ms, every client
-# a process starts (the sink's producer, its end probe, the marker reader) waited 50 ms for
-# it. The backoff after a lost connection still doubles up to `reconnect.backoff.max.ms`.
-RECONNECT_BACKOFF_MS = 20
 
 
 def _answer_timeouts(conf: dict[str, str]) -> dict[str, str | int]:
@@ -364,8 +358,7 @@ def _answer_timeouts(conf: dict[str, str]) -> dict[str, str | int]:
 def client_conf(conf: dict[str, str]) -> dict:
     """`conf` for a librdkafka client whose log goes through Python logging, de-duplicated,
     instead of straight to stderr, and whose errors say why Kafka cannot be reached
-    (refused, name resolution, TLS, authentication), and which connects without a wait
-    (RECONNECT_BACKOFF_MS).
+    (refused, name resolution, TLS, authentication).
 
     librdkafka queues both until the client is polled: clients that are never polled
     otherwise (the admin client) are polled around each request (see `kafka_request`)."""
@@ -375,13 +368,7 @@ def client_conf(conf: dict[str, str]) -> dict:
         if error.code() != KafkaError._ALL_BROKERS_DOWN:  # says nothing about why
             _last_errors[key] = (time.monotonic(), error)
 
-    return {
-        "reconnect.backoff.ms": RECONNECT_BACKOFF_MS,  # unless the user chose
-        **conf,
-        **_answer_timeouts(conf),
-        "logger": _ClientLog(key),
-        "error_cb": remember,
-    }
+    return {**conf, **_answer_timeouts(conf), "logger": _ClientLog(key), "error_cb": remember}
 
 
 def admin(conf: dict[str, str]) -> AdminClient:

@@ -180,15 +180,6 @@ def test_every_client_gives_up_on_an_unanswered_request_before_kafka_moves_its_l
     assert {name: client[name] for name in own} == own
 
 
-def test_a_new_client_connects_to_the_named_broker_without_waiting_half_a_default_backoff():
-    """librdkafka holds a new client's connection to the broker its bootstrap server named
-    for half of `reconnect.backoff.ms` (50 ms by default); onceflow's clients wait ~10 ms,
-    unless the user set the backoff."""
-    assert kafka_clients.client_conf(CONF)["reconnect.backoff.ms"] <= 22  # librdkafka's 11 ms
-    own = {**CONF, "reconnect.backoff.ms": "500"}
-    assert kafka_clients.client_conf(own)["reconnect.backoff.ms"] == "500"
-
-
 def test_a_topic_creation_the_client_gave_up_on_is_asked_again(stand_in):
     """A controller that is moving or slow leaves CreateTopics unanswered within the client's
     timeout; the request may still have been carried out, so the retry may find the topic."""
