@@ -139,7 +139,12 @@ def test_a_range_ending_in_aborted_records_before_an_open_transaction_is_read_to
     still_open.flush(30)
     aborted.abort_transaction(30)  # its marker at offset 5
     try:
-        assert kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 4}
+        # Kafka writes the abort's marker after it answered the abort.
+        wait_until(
+            lambda: kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 4},
+            30,
+            "the stable end at the open transaction",
+        )
         batches = list(read_range(conf, OffsetRange(topic, 0, 0, 4), True))
         assert [v for b in batches for v in b.column("value").to_pylist()] == [b"before"]
     finally:
