@@ -160,3 +160,38 @@ def processes() -> dict[int, tuple[int, list[bytes]]]:
             continue
         found[int(stat.parent.name)] = (parent, command)
     return found
+
+
+@contextlib.contextmanager
+def aborted_records_before_an_open_transaction(bootstrap: str, topic: str) -> Iterator[int]:
+    """After what partition 0 of `topic` holds: three records of an aborted transaction,
+    then one of another producer's transaction, left open inside. Yields the stable end (the
+    open record's offset), waited for: Kafka writes an abort's marker after it answered."""
+    from onceflow.connectors import kafka_clients
+
+    conf = {"bootstrap.servers": bootstrap}
+    aborted, still_open = (
+        Producer({**conf, "transactional.id": f"{topic}-{name}"}) for name in ("aborted", "open")
+    )
+    for producer in (aborted, still_open):
+        producer.init_transactions(30)
+        producer.begin_transaction()
+    for _ in range(3):
+        aborted.produce(topic, value=b"aborted", partition=0)
+    aborted.flush(30)
+    opened: list[int] = []
+    still_open.produce(
+        topic, value=b"open", partition=0, on_delivery=lambda _, msg: opened.append(msg.offset())
+    )
+    still_open.flush(30)
+    aborted.abort_transaction(30)  # its marker lands past the open record
+    try:
+        end = {(topic, 0): opened[0]}
+        wait_until(
+            lambda: kafka_clients.stable_ends(conf, [(topic, 0)]) == end,
+            30,
+            "the stable end at the open transaction",
+        )
+        yield opened[0]
+    finally:
+        still_open.abort_transaction(30)

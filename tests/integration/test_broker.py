@@ -5,9 +5,8 @@ import uuid
 import pytest
 from confluent_kafka import Producer
 
-from onceflow.connectors import kafka_clients
 from onceflow.connectors.topics import read_committed
-from tests.helpers import wait_until
+from tests.helpers import aborted_records_before_an_open_transaction
 
 pytestmark = pytest.mark.integration
 
@@ -45,28 +44,12 @@ def test_read_committed_ends_at_aborted_records_before_another_producers_open_tr
     is done; it used to wait for its 60 s timeout."""
     topic = new_topic(partitions=1)
     conf = {"bootstrap.servers": kafka_bootstrap}
-    committed, aborted, still_open = (
-        Producer({**conf, "transactional.id": f"{topic}-{name}"}) for name in ("c", "a", "o")
-    )
-    for producer in (committed, aborted, still_open):
-        producer.init_transactions(30)
-        producer.begin_transaction()
+    committed = Producer({**conf, "transactional.id": f"{topic}-committed"})
+    committed.init_transactions(30)
+    committed.begin_transaction()
     committed.produce(topic, value=b"committed", partition=0)
     committed.commit_transaction(30)  # offsets 0, 1
-    for _ in range(3):  # offsets 2-4
-        aborted.produce(topic, value=b"aborted", partition=0)
-    aborted.flush(30)
-    still_open.produce(topic, value=b"open", partition=0)  # offset 5
-    still_open.flush(30)
-    aborted.abort_transaction(30)  # its marker at offset 6
-    try:
-        # Kafka writes the abort's marker after it answered the abort.
-        wait_until(
-            lambda: kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 5},
-            30,
-            "the stable end at the open transaction",
-        )
+    with aborted_records_before_an_open_transaction(kafka_bootstrap, topic) as stable_end:
+        assert stable_end == 5  # offsets 2-4 aborted
         records = read_committed(kafka_bootstrap, topic, timeout=10)
         assert [m.value() for m in records] == [b"committed"]
-    finally:
-        still_open.abort_transaction(30)

@@ -14,7 +14,14 @@ from pyspark.errors import StreamingQueryException
 from onceflow.connectors import kafka_clients, offsets
 from onceflow.connectors.checkpoint import CheckpointDir
 from onceflow.connectors.source import OffsetRange
-from tests.helpers import drain, produce, source_reader, started, wait_until
+from tests.helpers import (
+    aborted_records_before_an_open_transaction,
+    drain,
+    produce,
+    source_reader,
+    started,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -126,29 +133,10 @@ def test_a_range_ending_in_aborted_records_before_an_open_transaction_is_read_to
     topic = new_topic(partitions=1)
     conf = {"bootstrap.servers": kafka_bootstrap}
     produce(kafka_bootstrap, topic, [(None, b"before", 0)])  # offset 0
-    aborted, still_open = (
-        Producer({**conf, "transactional.id": f"{topic}-{name}"}) for name in ("a", "b")
-    )
-    for producer in (aborted, still_open):
-        producer.init_transactions(30)
-        producer.begin_transaction()
-    for _ in range(3):  # offsets 1-3
-        aborted.produce(topic, value=b"aborted", partition=0)
-    aborted.flush(30)
-    still_open.produce(topic, value=b"open", partition=0)  # offset 4
-    still_open.flush(30)
-    aborted.abort_transaction(30)  # its marker at offset 5
-    try:
-        # Kafka writes the abort's marker after it answered the abort.
-        wait_until(
-            lambda: kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 4},
-            30,
-            "the stable end at the open transaction",
-        )
-        batches = list(read_range(conf, OffsetRange(topic, 0, 0, 4), True))
+    with aborted_records_before_an_open_transaction(kafka_bootstrap, topic) as stable_end:
+        assert stable_end == 4  # offsets 1-3 aborted
+        batches = list(read_range(conf, OffsetRange(topic, 0, 0, stable_end), True))
         assert [v for b in batches for v in b.column("value").to_pylist()] == [b"before"]
-    finally:
-        still_open.abort_transaction(30)
 
 
 def test_open_input_transaction_holds_back_only_its_partition(
