@@ -10,8 +10,8 @@ one Kafka transaction (see publisher.py). Input columns follow Spark's Kafka sin
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMessage
@@ -115,6 +115,7 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
             publisher.check_replay(epoch)  # an empty epoch needs no transaction
         elif publisher.publish_epoch(epoch):
             sink_stats.records_published.update(records.counts)
+            _log_unpublished(records.unpublished, batchId)
         sink_stats.write(self.checkpoint, self.transactional_id, publisher.stats)
         staging.clean_up_to(self.checkpoint, batchId)
 
@@ -158,15 +159,19 @@ class _Records:
     """(topic, partition, key, value, headers) tuples of an epoch, re-iterable for retries.
 
     Staged side records (with a `source` column) are published once per source position;
-    those with no topic configured are logged with their position instead of published.
+    those with no topic configured are kept out, with their position and reason, for one
+    log line per kind once the epoch is published (`_log_unpublished`).
     """
 
     def __init__(self, tables: list) -> None:
         self.tables = tables
-        self.counts: Counter[str] = Counter()  # records by kind, of the last full iteration
+        # Of the last full iteration: records by kind, and the (source, reason) of those kept out.
+        self.counts: Counter[str] = Counter()
+        self.unpublished: dict[str, list[tuple[str, str]]] = {}
 
     def __iter__(self):
         self.counts = Counter()
+        self.unpublished = defaultdict(list)
         seen: set[str] = set()
         for table in self.tables:
             columns = [table.column(c).to_pylist() for c in OUTPUT_COLUMNS]
@@ -185,10 +190,64 @@ class _Records:
                 kind = "late" if reason == LATE_REASON else "dead_letter"
                 if topic is None:
                     self.counts[f"dropped_{kind}"] += 1
-                    log.warning("no topic configured for %s record at %s: %s", kind, source, reason)
+                    self.unpublished[kind].append((source, reason))
                     continue
                 self.counts[kind] += 1
                 yield topic, partition, key, value, _header_tuples(headers)
+
+
+# What the summary of an epoch's unpublished records lists before "and N more".
+LISTED_RANGES = 10
+LISTED_REASONS = 3
+TOPIC_SETTING = {"late": "late_topic", "dead_letter": "dead_letter_topic"}
+
+
+def _log_unpublished(unpublished: Mapping[str, list[tuple[str, str]]], batch_id: int) -> None:
+    """One warning per kind for the records of an epoch that no topic was configured for:
+    how many, where (offset ranges per partition) and why. A line per record flooded the log
+    when a backlog held thousands of late records."""
+    for kind, records in unpublished.items():
+        reasons = Counter(reason for _, reason in records)
+        why = ", ".join(f"{reason} ({n})" for reason, n in reasons.most_common(LISTED_REASONS))
+        if len(reasons) > LISTED_REASONS:
+            why += f", and {len(reasons) - LISTED_REASONS} more reasons"
+        log.warning(
+            "epoch %d: %d %s records not published, since no %s is configured (set it to keep "
+            "them): %s; reasons: %s",
+            batch_id,
+            len(records),
+            kind.replace("_", "-"),
+            TOPIC_SETTING.get(kind, "topic"),
+            offset_ranges(source for source, _ in records),
+            why,
+        )
+
+
+def offset_ranges(sources: Iterable[str], listed: int = LISTED_RANGES) -> str:
+    """`topic/partition/offset` positions as runs per partition, the first `listed` of them:
+    "clicks/0 offsets 7-9, 12; clicks/1 offsets 3"."""
+    offsets: dict[str, list[int]] = defaultdict(list)
+    for source in sources:
+        partition, _, offset = source.rpartition("/")
+        offsets[partition].append(int(offset))
+    runs: list[tuple[str, int, int]] = []
+    for partition, found in offsets.items():
+        for offset in sorted(set(found)):
+            if runs and runs[-1][0] == partition and runs[-1][2] == offset - 1:
+                runs[-1] = (partition, runs[-1][1], offset)
+            else:
+                runs.append((partition, offset, offset))
+    parts: list[str] = []
+    for partition, first, last in runs[:listed]:
+        run = str(first) if first == last else f"{first}-{last}"
+        if parts and parts[-1].startswith(f"{partition} "):
+            parts[-1] += f", {run}"
+        else:
+            parts.append(f"{partition} offsets {run}")
+    listing = "; ".join(parts)
+    if len(runs) > listed:
+        listing += f"; and {len(runs) - listed} more runs"
+    return listing
 
 
 def _header_tuples(headers: list[dict] | None) -> list[tuple] | None:
