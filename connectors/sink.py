@@ -106,7 +106,7 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
         plan = self.checkpoint.batch_plan(batchId)
         tables = [m.table for m in messages if m is not None and m.table is not None]
         tables += staging.staged_tables(self.checkpoint, plan)
-        records = _Records(tables)
+        records = _Records(tables, batchId)
         query_id = self.checkpoint.query_id()
         published = self.checkpoint.published_batch(self.transactional_id)
         epoch = Epoch(batchId, query_id, plan.source_offsets, records, plan.fingerprint, published)
@@ -115,7 +115,6 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
             publisher.check_replay(epoch)  # an empty epoch needs no transaction
         elif publisher.publish_epoch(epoch):
             sink_stats.records_published.update(records.counts)
-            _log_unpublished(records.unpublished, batchId)
         sink_stats.write(self.checkpoint, self.transactional_id, publisher.stats)
         staging.clean_up_to(self.checkpoint, batchId)
 
@@ -158,14 +157,17 @@ class ForeachBatchSink:
 class _Records:
     """(topic, partition, key, value, headers) tuples of an epoch, re-iterable for retries.
 
-    Staged side records (with a `source` column) are published once per source position;
-    those with no topic configured are kept out, with their position and reason, for one
-    log line per kind once the epoch is published (`_log_unpublished`).
+    Staged side records (with a `source` column) are published once per source position.
+    Those with no topic configured are left out, and each full pass ends with one warning
+    per kind that says which and why (`log_unpublished`). It is logged before the
+    transaction commits, so a crash after the commit cannot lose the trace; a retried
+    transaction logs it again.
     """
 
-    def __init__(self, tables: list) -> None:
+    def __init__(self, tables: list, batch_id: int) -> None:
         self.tables = tables
-        # Of the last full iteration: records by kind, and the (source, reason) of those kept out.
+        self.batch_id = batch_id
+        # Of the last full pass: records by kind, and the (source, reason) of those left out.
         self.counts: Counter[str] = Counter()
         self.unpublished: dict[str, list[tuple[str, str]]] = {}
 
@@ -194,60 +196,86 @@ class _Records:
                     continue
                 self.counts[kind] += 1
                 yield topic, partition, key, value, _header_tuples(headers)
+        log_unpublished(self.unpublished, self.batch_id)
 
 
-# What the summary of an epoch's unpublished records lists before "and N more".
-LISTED_RANGES = 10
+# What a warning about unpublished records lists before it only counts.
+LISTED_RUNS = 10
 LISTED_REASONS = 3
-TOPIC_SETTING = {"late": "late_topic", "dead_letter": "dead_letter_topic"}
+TOPIC_SETTING = {"late": "sink.late_topic", "dead_letter": "sink.dead_letter_topic"}
 
 
-def _log_unpublished(unpublished: Mapping[str, list[tuple[str, str]]], batch_id: int) -> None:
-    """One warning per kind for the records of an epoch that no topic was configured for:
-    how many, where (offset ranges per partition) and why. A line per record flooded the log
-    when a backlog held thousands of late records."""
+def log_unpublished(unpublished: Mapping[str, list[tuple[str, str]]], batch_id: int) -> None:
+    """One warning per kind for an epoch's records that no topic was configured for: how
+    many, where (every partition, `offset_ranges`) and why (the commonest reasons, each with
+    its first record). A line per record flooded the log when a backlog held thousands of
+    late records; each is still logged at DEBUG."""
     for kind, records in unpublished.items():
+        first_at: dict[str, str] = {}
+        for source, reason in records:
+            first_at.setdefault(reason, source)
+            log.debug("epoch %d: %s record at %s not published: %s", batch_id, kind, source, reason)
         reasons = Counter(reason for _, reason in records)
-        why = ", ".join(f"{reason} ({n})" for reason, n in reasons.most_common(LISTED_REASONS))
+        why = "; ".join(
+            f"{reason} ({n}, the first at {first_at[reason]})"
+            for reason, n in reasons.most_common(LISTED_REASONS)
+        )
         if len(reasons) > LISTED_REASONS:
-            why += f", and {len(reasons) - LISTED_REASONS} more reasons"
+            why += f"; and {len(reasons) - LISTED_REASONS} other reasons"
         log.warning(
-            "epoch %d: %d %s records not published, since no %s is configured (set it to keep "
-            "them): %s; reasons: %s",
+            "epoch %d: %d %s records not published, since %s is not set (set it to keep "
+            "them): %s. Why: %s",
             batch_id,
             len(records),
             kind.replace("_", "-"),
-            TOPIC_SETTING.get(kind, "topic"),
+            TOPIC_SETTING.get(kind, "a topic"),
             offset_ranges(source for source, _ in records),
             why,
         )
 
 
-def offset_ranges(sources: Iterable[str], listed: int = LISTED_RANGES) -> str:
-    """`topic/partition/offset` positions as runs per partition, the first `listed` of them:
-    "clicks/0 offsets 7-9, 12; clicks/1 offsets 3"."""
+def offset_ranges(sources: Iterable[str], listed: int = LISTED_RUNS) -> str:
+    """Where `topic/partition/offset` positions are, for a log line: every partition, its
+    offsets as runs while `listed` runs last ("clicks/0 offsets 7-9, 12"), else as a count
+    and span ("clicks/1: 40 records, offsets 3-977"). Other positions are shown as they are."""
     offsets: dict[str, list[int]] = defaultdict(list)
+    others: list[str] = []
     for source in sources:
-        partition, _, offset = source.rpartition("/")
-        offsets[partition].append(int(offset))
-    runs: list[tuple[str, int, int]] = []
-    for partition, found in offsets.items():
-        for offset in sorted(set(found)):
-            if runs and runs[-1][0] == partition and runs[-1][2] == offset - 1:
-                runs[-1] = (partition, runs[-1][1], offset)
-            else:
-                runs.append((partition, offset, offset))
-    parts: list[str] = []
-    for partition, first, last in runs[:listed]:
-        run = str(first) if first == last else f"{first}-{last}"
-        if parts and parts[-1].startswith(f"{partition} "):
-            parts[-1] += f", {run}"
+        partition, _, offset = str(source).rpartition("/")
+        if partition and offset.isdigit():
+            offsets[partition].append(int(offset))
         else:
-            parts.append(f"{partition} offsets {run}")
-    listing = "; ".join(parts)
-    if len(runs) > listed:
-        listing += f"; and {len(runs) - listed} more runs"
-    return listing
+            others.append(str(source))
+    parts: list[str] = []
+    for partition in sorted(offsets, key=_partition_order):
+        found = sorted(set(offsets[partition]))
+        runs = _runs(found)
+        if len(runs) <= listed:
+            listed -= len(runs)
+            text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+            parts.append(f"{partition} offsets {text}")
+        else:
+            parts.append(f"{partition}: {len(found)} records, offsets {found[0]}-{found[-1]}")
+    parts += others[:LISTED_RUNS]
+    if len(others) > LISTED_RUNS:
+        parts.append(f"and {len(others) - LISTED_RUNS} more")
+    return "; ".join(parts)
+
+
+def _partition_order(partition: str) -> tuple[str, int]:
+    topic, _, number = partition.rpartition("/")
+    return (topic, int(number)) if number.isdigit() else (partition, -1)
+
+
+def _runs(offsets: list[int]) -> list[tuple[int, int]]:
+    """Sorted offsets as (first, last) runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for offset in offsets:
+        if runs and runs[-1][1] == offset - 1:
+            runs[-1] = (runs[-1][0], offset)
+        else:
+            runs.append((offset, offset))
+    return runs
 
 
 def _header_tuples(headers: list[dict] | None) -> list[tuple] | None:

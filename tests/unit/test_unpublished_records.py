@@ -1,5 +1,5 @@
-"""Side records with no topic configured: kept out of the transaction, counted, and
-summarised in one log line per kind and epoch, with every position."""
+"""Side records with no topic configured: left out of the transaction, counted, and
+summarised in one warning per kind at the end of each pass over the epoch's records."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 
 import pyarrow as pa
 
-from connectors.records import LATE_REASON, side_record, staged_schema
-from connectors.sink import _log_unpublished, _Records, offset_ranges
+from onceflow.connectors.records import LATE_REASON, side_record, staged_schema
+from onceflow.connectors.sink import _Records, offset_ranges
 
 
 def _staged(rows: list[dict]) -> pa.Table:
@@ -20,39 +20,51 @@ def test_offset_ranges_are_runs_per_partition():
     assert offset_ranges(sources) == "clicks/0 offsets 7-9, 12; clicks/1 offsets 3"
 
 
-def test_offset_ranges_list_the_first_runs_and_count_the_rest():
-    sources = [f"clicks/0/{offset}" for offset in range(0, 30, 2)]  # 15 runs of one
-    listing = offset_ranges(sources, listed=3)
-    assert listing == "clicks/0 offsets 0, 2, 4; and 12 more runs"
+def test_offset_ranges_name_every_partition_in_order_and_count_what_is_not_listed():
+    scattered = [f"clicks/2/{offset}" for offset in range(0, 30, 2)]  # 15 runs of one
+    sources = ["clicks/10/5", *scattered, "clicks/0/4", "clicks/0/5"]
+    assert offset_ranges(sources, listed=3) == (
+        "clicks/0 offsets 4-5; clicks/2: 15 records, offsets 0-28; clicks/10 offsets 5"
+    )
 
 
-def test_records_of_no_topic_are_kept_out_and_logged_once_per_kind(caplog):
+def test_offset_ranges_show_positions_of_another_form_as_they_are():
+    assert offset_ranges(["clicks/0/1", "lookup:users", None]) == (
+        "clicks/0 offsets 1; lookup:users; None"
+    )
+
+
+def test_records_of_no_topic_are_left_out_and_warned_about_once_per_kind_and_pass(caplog):
     late = [side_record(None, b"k", b"v", [], f"clicks/0/{o}", LATE_REASON) for o in range(5)]
     bad = [
         side_record(None, None, b"x", [], "clicks/1/40", "value is not JSON"),
         side_record(None, None, b"y", [], "clicks/1/41", "value is not JSON"),
+        side_record(None, None, b"z", [], "clicks/1/44", "field 'ts' is missing"),
     ]
     kept = side_record("clicks.late", b"k", b"v", [], "clicks/1/7", LATE_REASON)
-    records = _Records([_staged([*late, *bad, kept])])
+    records = _Records([_staged([*late, *bad, kept])], batch_id=7)
 
-    published = list(records)
-    published_again = list(records)  # a retried transaction iterates once more
+    with caplog.at_level(logging.WARNING, logger="onceflow.sink"):
+        published = list(records)
+    first_pass = [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="onceflow.sink"):
+        published_again = list(records)  # a retried transaction passes over them again
 
     assert published == published_again == [("clicks.late", None, b"k", b"v", None)]
-    assert records.counts == {"late": 1, "dropped_late": 5, "dropped_dead_letter": 2}
-    with caplog.at_level(logging.WARNING, logger="onceflow.sink"):
-        _log_unpublished(records.unpublished, 7)
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines == [
-        "epoch 7: 5 late records not published, since no late_topic is configured (set it to "
-        "keep them): clicks/0 offsets 0-4; reasons: late (5)",
-        "epoch 7: 2 dead-letter records not published, since no dead_letter_topic is "
-        "configured (set it to keep them): clicks/1 offsets 40-41; reasons: value is not JSON (2)",
+    assert records.counts == {"late": 1, "dropped_late": 5, "dropped_dead_letter": 3}
+    assert first_pass == [
+        "epoch 7: 5 late records not published, since sink.late_topic is not set (set it to "
+        "keep them): clicks/0 offsets 0-4. Why: late (5, the first at clicks/0/0)",
+        "epoch 7: 3 dead-letter records not published, since sink.dead_letter_topic is not "
+        "set (set it to keep them): clicks/1 offsets 40-41, 44. Why: value is not JSON (2, "
+        "the first at clicks/1/40); field 'ts' is missing (1, the first at clicks/1/44)",
     ]
+    assert [r.getMessage() for r in caplog.records] == first_pass
 
 
-def test_a_position_staged_twice_is_kept_out_once():
+def test_a_position_staged_twice_is_left_out_once():
     twice = side_record(None, b"k", b"v", [], "clicks/0/3", LATE_REASON)
-    records = _Records([_staged([twice]), _staged([twice])])
+    records = _Records([_staged([twice]), _staged([twice])], batch_id=1)
     assert list(records) == []
     assert records.unpublished == {"late": [("clicks/0/3", LATE_REASON)]}
