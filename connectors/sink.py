@@ -214,7 +214,11 @@ def log_unpublished(unpublished: Mapping[str, list[tuple[str, str]]], batch_id: 
         first_at: dict[str, str] = {}
         for source, reason in records:
             first_at.setdefault(reason, source)
-            log.debug("epoch %d: %s record at %s not published: %s", batch_id, kind, source, reason)
+        if log.isEnabledFor(logging.DEBUG):
+            for source, reason in records:
+                log.debug(
+                    "epoch %d: %s record at %s not published: %s", batch_id, kind, source, reason
+                )
         reasons = Counter(reason for _, reason in records)
         why = "; ".join(
             f"{reason} ({n}, the first at {first_at[reason]})"
@@ -237,13 +241,15 @@ def log_unpublished(unpublished: Mapping[str, list[tuple[str, str]]], batch_id: 
 def offset_ranges(sources: Iterable[str], listed: int = LISTED_RUNS) -> str:
     """Where `topic/partition/offset` positions are, for a log line: every partition, its
     offsets as runs while `listed` runs last ("clicks/0 offsets 7-9, 12"), else as a count
-    and span ("clicks/1: 40 records, offsets 3-977"). Other positions are shown as they are."""
+    and span ("clicks/1: 40 records between offsets 3 and 977"). Other positions are shown
+    as they are: this runs inside the epoch's transaction, and must not fail it."""
     offsets: dict[str, list[int]] = defaultdict(list)
     others: list[str] = []
     for source in sources:
         partition, _, offset = str(source).rpartition("/")
-        if partition and offset.isdigit():
-            offsets[partition].append(int(offset))
+        number = _number(offset)
+        if partition and number is not None:
+            offsets[partition].append(number)
         else:
             others.append(str(source))
     parts: list[str] = []
@@ -255,7 +261,8 @@ def offset_ranges(sources: Iterable[str], listed: int = LISTED_RUNS) -> str:
             text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
             parts.append(f"{partition} offsets {text}")
         else:
-            parts.append(f"{partition}: {len(found)} records, offsets {found[0]}-{found[-1]}")
+            span = f"between offsets {found[0]} and {found[-1]}"
+            parts.append(f"{partition}: {len(found)} records {span}")
     parts += others[:LISTED_RUNS]
     if len(others) > LISTED_RUNS:
         parts.append(f"and {len(others) - LISTED_RUNS} more")
@@ -263,8 +270,16 @@ def offset_ranges(sources: Iterable[str], listed: int = LISTED_RUNS) -> str:
 
 
 def _partition_order(partition: str) -> tuple[str, int]:
-    topic, _, number = partition.rpartition("/")
-    return (topic, int(number)) if number.isdigit() else (partition, -1)
+    topic, _, text = partition.rpartition("/")
+    number = _number(text)
+    return (topic, number) if number is not None else (partition, -1)
+
+
+def _number(text: str) -> int | None:
+    """`text` as a non-negative integer, or None (`isdigit` alone takes "²")."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 20):
+        return None
+    return int(text)
 
 
 def _runs(offsets: list[int]) -> list[tuple[int, int]]:

@@ -24,14 +24,14 @@ def test_offset_ranges_name_every_partition_in_order_and_count_what_is_not_liste
     scattered = [f"clicks/2/{offset}" for offset in range(0, 30, 2)]  # 15 runs of one
     sources = ["clicks/10/5", *scattered, "clicks/0/4", "clicks/0/5"]
     assert offset_ranges(sources, listed=3) == (
-        "clicks/0 offsets 4-5; clicks/2: 15 records, offsets 0-28; clicks/10 offsets 5"
+        "clicks/0 offsets 4-5; clicks/2: 15 records between offsets 0 and 28; clicks/10 offsets 5"
     )
 
 
 def test_offset_ranges_show_positions_of_another_form_as_they_are():
-    assert offset_ranges(["clicks/0/1", "lookup:users", None]) == (
-        "clicks/0 offsets 1; lookup:users; None"
-    )
+    odd = ["lookup:users", None, "t/0/\u00b2", "t/0/" + "9" * 5000]  # "²".isdigit()
+    listing = offset_ranges(["clicks/0/1", "t/\u00b2/5", *odd])
+    assert listing == "; ".join(["clicks/0 offsets 1", "t/\u00b2 offsets 5", *map(str, odd)])
 
 
 def test_records_of_no_topic_are_left_out_and_warned_about_once_per_kind_and_pass(caplog):
