@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from onceflow.connectors import kafka_clients
 from onceflow.connectors.checkpoint import CheckpointDir
@@ -543,17 +543,10 @@ def _coordinated_by(node: int, coordinator: Callable[[str], int]) -> str:
     raise AssertionError(f"node {node} coordinates none of 200 ids")
 
 
-# What Kafka answers while the offsets log's leaders settle, right after the cluster starts.
-COORDINATOR_SETTLING = {
-    KafkaError.NOT_COORDINATOR,
-    KafkaError.COORDINATOR_NOT_AVAILABLE,
-    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-}
-
-
 def _group_offset(cluster: LocalCluster, group: str, topic: str) -> int:
     """The offset consumer group `group` committed for partition 0 of `topic`, asked again
-    for up to 30 s while the group's coordinator settles."""
+    for up to 30 s while the cluster is in motion (NOT_COORDINATOR right after it starts;
+    `kafka_clients.retriable`)."""
     consumer = Consumer({"bootstrap.servers": cluster.bootstrap, "group.id": group})
     deadline = time.monotonic() + 30
     try:
@@ -561,7 +554,7 @@ def _group_offset(cluster: LocalCluster, group: str, topic: str) -> int:
             try:
                 return consumer.committed([TopicPartition(topic, 0)], timeout=10)[0].offset
             except KafkaException as exc:
-                if exc.args[0].code() not in COORDINATOR_SETTLING or time.monotonic() > deadline:
+                if not kafka_clients.retriable(exc) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
     finally:
