@@ -2,13 +2,17 @@
 
 Kafka fencing and Spark's logs already keep a second instance from publishing twice, but
 only once it reaches a commit; a lease refuses it at start, with a message naming the
-holder. The holder renews its heartbeat every LEASE_S / 3 seconds. A lease is free when it
-was released, when its heartbeat is older than LEASE_S, or when its holder is a process of
-this host that no longer runs (a restarted container has the same host name and pid).
+holder. The holder renews its heartbeat every LEASE_S / 3 seconds, and holds a kernel lock
+(`flock`) on a file beside the claim for as long as its process lives. A lease is free when
+it was released, when its heartbeat is older than LEASE_S, or when its holder ran on this
+kernel (the same boot: any container of this host) and its lock is free: the kernel drops a
+dead process' locks, whatever its host name, pid or pid namespace. A holder on another
+kernel (another host sharing the volume) is free only when its heartbeat expires.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
@@ -25,8 +29,12 @@ from .config import ConfigError, PipelineConfig
 log = logging.getLogger("onceflow.run")
 
 LEASE_S = 30.0
-MISSED_RENEWAL_S = LEASE_S / 3 + 2.0  # a live holder renews every LEASE_S / 3
 STANDBY_POLL_S = 0.25
+LOCK_FILE = ".lease.lock"  # never removed: a holder's lock is on this file's inode
+# File systems whose flock only this kernel keeps, for every process on it (any container).
+LOCAL_FILE_SYSTEMS = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "tmpfs", "overlay"}
+)
 
 
 class Lease:
@@ -38,93 +46,113 @@ class Lease:
         self.holder = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "pid_namespace": _pid_namespace(),
-            "pid_started": _started(os.getpid()),
             "instance": uuid.uuid4().hex,
             "since": time.time(),
+            "lock": None,  # the lock file's identity and this kernel's boot, while held
+            # Read by onceflow 0.1.0's lease, which knew no lock: a standby of that version
+            # beside this one (a rolling upgrade) must not take this process for a dead one.
+            "pid_namespace": _pid_namespace(),
+            "pid_started": _started(os.getpid()),
         }
+        self._lock_fd: int | None = None
+        self._fd_guard = threading.Lock()  # the renewal thread and release() both drop it
         self._stop = threading.Event()
         self.lost = threading.Event()  # set when another instance took the lease over
         self.lost_to: dict = {}
 
     def acquire(self) -> None:
-        """Take the lease, or raise CheckpointClaimError naming its live holder. A holder on
-        this host in another pid namespace is waited for until it misses a renewal."""
-        time.sleep(self._wait_for_a_renewal())
-        with self.checkpoint.claim() as claim:
-            owner = claim.get("app_id", self.app_id)
-            if owner != self.app_id:
-                raise ConfigError(
-                    "checkpoint.location",
-                    f"{self.checkpoint.path} belongs to app {owner!r}, not {self.app_id!r}; "
-                    "point this app at its own checkpoint directory",
-                )
-            held = claim.get("holder")
-            if held and not self._is_free(held, claim.get("heartbeat", 0.0)):
-                age = time.time() - claim.get("heartbeat", 0.0)
-                raise CheckpointClaimError(
-                    f"checkpoint {self.checkpoint.path} is held by another instance of app "
-                    f"{self.app_id!r} (host {held.get('host')}, pid {held.get('pid')}, last "
-                    f"heartbeat {age:.0f} s ago). Stop that instance; if it is gone, its lease "
-                    f"expires {max(0.0, LEASE_S - age):.0f} s from now."
-                )
-            claim.update(app_id=self.app_id, holder=self.holder, heartbeat=time.time())
+        """Take the lease, or raise CheckpointClaimError naming its live holder."""
+        try:
+            with self.checkpoint.claim() as claim:
+                self._claim(claim)
+        except BaseException:
+            self._drop_lock()  # a lock kept without the lease would keep out every other
+            raise
         threading.Thread(target=self._renew, name="onceflow-lease", daemon=True).start()
 
-    def _wait_for_a_renewal(self) -> float:
-        """Seconds until a holder of this host in another pid namespace has missed a renewal:
-        a restarted container's earlier life never renews, a live sibling does."""
-        with self.checkpoint.claim() as claim:
-            held, heartbeat = claim.get("holder"), claim.get("heartbeat", 0.0)
-        if not held or held.get("pid") == os.getpid() or not self._in_another_namespace(held):
-            return 0.0
-        return max(0.0, min(MISSED_RENEWAL_S, heartbeat + MISSED_RENEWAL_S - time.time()))
-
-    def _in_another_namespace(self, held: dict) -> bool:
-        return (
-            held.get("host") == self.holder["host"]
-            and held.get("pid_namespace", self.holder["pid_namespace"])
-            != self.holder["pid_namespace"]
-        )
+    def _claim(self, claim: dict) -> None:
+        owner = claim.get("app_id", self.app_id)
+        if owner != self.app_id:
+            raise ConfigError(
+                "checkpoint.location",
+                f"{self.checkpoint.path} belongs to app {owner!r}, not {self.app_id!r}; "
+                "point this app at its own checkpoint directory",
+            )
+        held = claim.get("holder")
+        self._take_lock()
+        if held and not self._is_free(held, claim.get("heartbeat", 0.0)):
+            self._drop_lock()  # inside the claim: the next claimer must find it free
+            age = time.time() - claim.get("heartbeat", 0.0)
+            raise CheckpointClaimError(
+                f"checkpoint {self.checkpoint.path} is held by another instance of app "
+                f"{self.app_id!r} (host {held.get('host')}, pid {held.get('pid')}, last "
+                f"heartbeat {age:.0f} s ago). Stop that instance; if it is gone, its lease "
+                f"expires {max(0.0, LEASE_S - age):.0f} s from now."
+            )
+        claim.update(app_id=self.app_id, holder=self.holder, heartbeat=time.time())
 
     def _is_free(self, held: dict, heartbeat: float) -> bool:
-        """Free when its heartbeat expired, or its holder is a process of this host that no
-        longer runs. A holder with this process' pid is its earlier life (a restarted
-        container has the same host name and pid). Other pids are looked up only in the
-        holder's own pid namespace; a holder in another one (a sibling container with the
-        same host name, or this container's earlier life) is gone once it missed a renewal."""
-        age = time.time() - heartbeat
-        if age > LEASE_S:
+        """Free when its heartbeat expired, or when it held its lock on this kernel and this
+        instance could take that lock (of the same file): its process is gone. Else (another
+        host's, or a holder that could not lock: its predecessor, paused, still held the
+        lock) only its heartbeat tells."""
+        if time.time() - heartbeat > LEASE_S:
             return True
-        if held.get("host") != self.holder["host"]:
-            return False
-        pid = held.get("pid")
-        if pid == os.getpid():
-            return True  # an earlier life of this process, or of its container
-        if self._in_another_namespace(held):
-            return age > MISSED_RENEWAL_S
+        mine = self.holder["lock"]
+        return mine is not None and mine["boot"] is not None and held.get("lock") == mine
+
+    def _take_lock(self) -> None:
+        """Lock the lease's file if no live process holds it; record what was locked. A
+        lock that cannot be taken (held, or the file not openable) is no lock: the
+        heartbeat tells."""
+        if self._lock_fd is not None:
+            return
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass  # another user's process: the start time tells whether the pid was reused
-        except (OSError, TypeError):
-            return False
-        started = held.get("pid_started")
-        return started is not None and _started(pid) not in (None, started)  # pid reused
+            fd = os.open(self.checkpoint.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            stat = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            return
+        self._lock_fd = fd
+        # Only a local file system's lock is the kernel's alone. One shared over a network
+        # may lock per client (NFS `local_lock`, FUSE), and two VMs cloned from one memory
+        # snapshot share a boot id: such a lock proves nothing, the heartbeat tells.
+        local = _file_system_type(stat.st_dev) in LOCAL_FILE_SYSTEMS
+        boot = _boot_id() if local else None
+        self.holder["lock"] = {"boot": boot, "device": stat.st_dev, "inode": stat.st_ino}
+
+    def _drop_lock(self) -> None:
+        with self._fd_guard:
+            fd, self._lock_fd = self._lock_fd, None
+            self.holder["lock"] = None
+        if fd is not None:
+            os.close(fd)
 
     def _renew(self) -> None:
         while not self._stop.wait(LEASE_S / 3):
             try:
-                with self.checkpoint.claim() as claim:
-                    if (claim.get("holder") or {}).get("instance") != self.holder["instance"]:
-                        self.lost_to = claim.get("holder") or {}
-                        self.lost.set()
-                        return
-                    claim["heartbeat"] = time.time()
+                self.renew_once()
             except OSError as exc:  # the next renewal tries again; the lease lasts LEASE_S
                 log.warning("could not renew the checkpoint lease: %s", exc)
+            if self.lost.is_set():
+                return
+
+    def renew_once(self) -> None:
+        """Renew the heartbeat, and take the lock if a paused predecessor held it when this
+        instance took over; or find the lease lost to another instance."""
+        with self.checkpoint.claim() as claim:
+            if (claim.get("holder") or {}).get("instance") != self.holder["instance"]:
+                self.lost_to = claim.get("holder") or {}
+                self._drop_lock()
+                self.lost.set()
+                return
+            self._take_lock()
+            claim["holder"] = self.holder
+            claim["heartbeat"] = time.time()
 
     def lost_error(self) -> CheckpointClaimError:
         holder = self.lost_to
@@ -140,7 +168,9 @@ class Lease:
             with self.checkpoint.claim() as claim:
                 if (claim.get("holder") or {}).get("instance") == self.holder["instance"]:
                     claim["holder"] = None
+                self._drop_lock()  # inside the claim: the next claimer finds the lock free
         except OSError as exc:
+            self._drop_lock()
             log.warning("could not release the checkpoint lease: %s", exc)
 
 
@@ -163,7 +193,8 @@ def check_standby(config: PipelineConfig) -> None:
 
 def wait_for(config: PipelineConfig, stop: threading.Event) -> Lease | None:
     """A standby's wait: the lease, as soon as the active instance's ends (released, expired,
-    or its process gone from this host); None when `stop` is set first."""
+    or its process gone from this kernel: any container of this host); None when `stop` is
+    set first."""
     announced = False
     while not stop.is_set():
         try:
@@ -194,6 +225,20 @@ def acquire(config: PipelineConfig) -> Lease | None:
     return lease
 
 
+def _file_system_type(device: int) -> str | None:
+    """The type of the mounted file system with this device number (/proc/self/mountinfo)."""
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == wanted and "-" in fields:
+            return fields[fields.index("-") + 1]
+    return None
+
+
 def _pid_namespace() -> int | None:
     try:
         return os.stat("/proc/self/ns/pid").st_ino
@@ -202,9 +247,16 @@ def _pid_namespace() -> int | None:
 
 
 def _started(pid: int) -> int | None:
-    """The process' start time (clock ticks after boot): tells a reused pid from its first
-    owner."""
+    """The process' start time (clock ticks after boot), as onceflow 0.1.0's lease reads it."""
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
+        return None
+
+
+def _boot_id() -> str | None:
+    """This kernel's boot: the same in every container of a host, new after a reboot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
         return None

@@ -55,16 +55,21 @@ def run(
     if standby:
         check_standby(config)
     lease = None if standby else acquire(config)  # a second instance is refused at once
-    faults.watch_state_store_commits(config.checkpoint_location)
-    checkpoint = CheckpointDir(config.checkpoint_location)
-    conf = checkpoint.spark_conf() | config.spark_conf  # the user's own settings win
-    spark = build_session(config.spark_master, f"onceflow-{config.app_id}", conf)
-    metrics = PipelineMetrics(config.app_id)
-    input_bytes = spark.sparkContext.accumulator(0)
-    listener = PipelineListener(metrics, config.checkpoint_location, input_bytes)
-    spark.streams.addListener(listener)
-    server = _serve_metrics(config, metrics, listener)
-    lag_probe = probe_lag(metrics, listener, dict(config.kafka))
+    try:
+        faults.watch_state_store_commits(config.checkpoint_location)
+        checkpoint = CheckpointDir(config.checkpoint_location)
+        conf = checkpoint.spark_conf() | config.spark_conf  # the user's own settings win
+        spark = build_session(config.spark_master, f"onceflow-{config.app_id}", conf)
+        metrics = PipelineMetrics(config.app_id)
+        input_bytes = spark.sparkContext.accumulator(0)
+        listener = PipelineListener(metrics, config.checkpoint_location, input_bytes)
+        spark.streams.addListener(listener)
+        server = _serve_metrics(config, metrics, listener)
+        lag_probe = probe_lag(metrics, listener, dict(config.kafka))
+    except BaseException:
+        if lease is not None:  # a caller in this process (the pytest plugin) lives on
+            lease.release()
+        raise
     stop = stop or threading.Event()
     handlers = {}
     received: list[int] = []

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,11 +43,13 @@ class Service:
     kills = 0  # by the test or by a fault point, over all services of a test
     started: ClassVar[list[Service]] = []  # of the running test (see stop_leftovers)
 
-    def __init__(self, pipeline: Path, log: Path, *flags: str, fault: str = ""):
+    def __init__(
+        self, pipeline: Path, log: Path, *flags: str, fault: str = "", container: list[str] = ()
+    ):
         Service.started.append(self)
         env = {**os.environ, "ONCEFLOW_FAULT": fault}
         env.pop("ONCEFLOW_SERVICE_PGID", None)
-        args = [sys.executable, "-m", "onceflow.cli", "run", str(pipeline), *flags]
+        args = [*container, sys.executable, "-m", "onceflow.cli", "run", str(pipeline), *flags]
         self.log = log
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
@@ -177,10 +180,13 @@ class Scenario:
         path.write_text(yaml.safe_dump(config))
         return path
 
-    def service(self, pipeline: Path, available_now=False, fault="", standby=False) -> Service:
+    def service(
+        self, pipeline: Path, available_now=False, fault="", standby=False, container=()
+    ) -> Service:
         self.runs += 1
         flags = ["--available-now"] * available_now + ["--standby"] * standby
-        return Service(pipeline, self.tmp / f"run-{self.runs}.log", *flags, fault=fault)
+        log = self.tmp / f"run-{self.runs}.log"
+        return Service(pipeline, log, *flags, fault=fault, container=container)
 
     def drain(self, pipeline: Path) -> None:
         service = self.service(pipeline, available_now=True)
@@ -412,20 +418,41 @@ def _committed(commits: Path) -> int:
     return max(ids, default=-1) + 1
 
 
-def test_a_standby_takes_over_when_the_active_instance_is_killed(app):
+def in_a_container(host: str, tmp: Path) -> list[str]:
+    """A command prefix that runs a service as a sibling container on this host runs: its own
+    host name (in its /etc/hosts, as Docker writes it), pid namespace and /proc, on the same
+    kernel, network and checkpoint directory."""
+    hosts = tmp / f"hosts-{host}"
+    hosts.write_text(f"127.0.0.1 localhost {host}\n")
+    isolate = ["unshare", "--uts", "--pid", "--mount", "--fork", "--mount-proc"]
+    probe = subprocess.run([*isolate, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(
+            f"cannot run a service in namespaces of its own here ({probe.stderr.strip()}); "
+            "tests/unit/test_lease.py covers a holder of another container with real processes"
+        )
+    setup = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
+    return [*isolate, "sh", "-c", setup, "sh", host, str(hosts)]
+
+
+@pytest.mark.parametrize("where", ["this-container", "another-container"])
+def test_a_standby_takes_over_when_the_active_instance_is_killed(app, where):
     """`run --standby` starts Spark beside the active instance, stays out of the checkpoint
-    while that one runs, and takes it over when it is SIGKILLed mid-backlog."""
+    while that one runs, and takes it over when it is SIGKILLed mid-backlog: at once, also
+    from another container of this host (its own host name and pid namespace), where neither
+    host name nor pid can tell whether the holder lives, but the kernel's lock can."""
     from onceflow.connectors.checkpoint import CLAIM
 
     per_batch = len(app.events) // 60  # small epochs: the backlog outlasts the standby's start
     pipeline = app.pipeline(windowed=True, source={"max_records_per_batch": per_batch})
+    container = in_a_container("onceflow-standby", app.tmp) if where != "this-container" else ()
     active = app.service(pipeline)
     wait_until(
         lambda: _epochs_done(active) or active.process.poll() is not None,
         180,
         "the active instance's first committed epoch",
     )
-    standby = app.service(pipeline, standby=True)
+    standby = app.service(pipeline, standby=True, container=container)
     wait_until(
         lambda: (
             "standby: waiting to take over" in standby.log.read_text(errors="replace")
@@ -450,12 +477,17 @@ def test_a_standby_takes_over_when_the_active_instance_is_killed(app):
     first_epoch = _logged_time(standby, r"epoch \d+ done: [1-9]") - killed_at
     took_over = _logged_time(standby, r"standby: took over") - killed_at
     print(
-        f"active committed {before} epoch(s); the standby took over {took_over:.1f} s after "
-        f"the kill and committed its first epoch {first_epoch:.1f} s after"
+        f"active committed {before} epoch(s); the standby ({where}) took over {took_over:.1f} s "
+        f"after the kill and committed its first epoch {first_epoch:.1f} s after"
     )
-    # The holder's process is gone from this host: no waiting for its lease to expire.
+    # The holder's process is gone from this kernel: no waiting for its lease to expire.
     assert took_over < LEASE_S / 2, standby.report()
-    assert standby.terminate() == 0, standby.report()
+    holder = json.loads((app.tmp / "checkpoint" / CLAIM).read_text())["holder"]
+    assert holder["host"] == ("onceflow-standby" if container else socket.gethostname()), holder
+    if container:  # and back: a dead holder of another container holds nothing either
+        standby.kill()
+    else:
+        assert standby.terminate() == 0, standby.report()
     app.drain(pipeline)
     app.check_windows()
 

@@ -685,3 +685,27 @@ def health(port: int) -> int:
         return exc.code
     except OSError:
         return 0
+
+
+def test_a_start_that_fails_after_taking_the_lease_leaves_the_checkpoint_free(
+    kafka_bootstrap, spark, topics, tmp_path
+):
+    """A caller in this process (the pytest plugin, a notebook) lives on after a failed start:
+    the checkpoint's lease, and its lock, must not stay with it."""
+    import socket
+
+    from onceflow.config import ConfigError
+    from onceflow.connectors.checkpoint import CheckpointDir
+    from onceflow.lease import Lease
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        raw = pipeline(topics, tmp_path, kafka_bootstrap)
+        raw["metrics"] = {"port": busy.getsockname()[1]}
+        config = parse(raw)
+        with pytest.raises(ConfigError, match="metrics.port"):
+            run(config, available_now=True)
+    lease = Lease(CheckpointDir(config.checkpoint_location), config.app_id)
+    lease.acquire()  # refused while the failed start still holds it
+    lease.release()

@@ -5,6 +5,7 @@ against the service's own config schema (no Docker engine needed)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import tempfile
@@ -199,7 +200,7 @@ def test_the_spark_cluster_profile_never_binds_loopback():
     assert worker["entrypoint"][-2:] == ["--host", worker["hostname"]]
     assert f"spark://{master['hostname']}:7077" in worker["entrypoint"]
     # The driver advertises a name the worker resolves (its service name), without setting
-    # its host name: the checkpoint lease tells two containers apart by host name.
+    # its host name: the container's own names it in the lease's messages.
     onceflow = SERVICES["onceflow"]
     assert "hostname" not in onceflow
     assert onceflow["environment"]["SPARK_LOCAL_HOSTNAME"] == "onceflow"
@@ -235,3 +236,54 @@ def test_the_image_installs_the_dependencies_ci_tested_from_a_small_context():
         for path in copied.split():
             assert f"!{path}" in ignored or f"!{path}/" in ignored, f"{path} is not in the context"
     assert (REPO / "LICENSE").read_text().split()[:3] == ["Apache", "License", "Version"]
+
+
+def compose_project(*files: str) -> dict:
+    """The project docker compose runs from `files` (merged in order, every profile on), as
+    compose-go, docker compose's own loader, builds it: `tests/compose_config`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONCEFLOW_")}
+    try:
+        result = subprocess.run(
+            ["go", "run", ".", *(str(REPO / f) for f in files)],
+            cwd=REPO / "tests/compose_config",
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+    except FileNotFoundError:
+        pytest.fail("this check loads the compose files with compose-go (`go run`): install Go")
+    assert result.returncode == 0, f"compose-go refused {files}: {result.stderr}"
+    return json.loads(result.stdout)
+
+
+def test_the_standby_override_runs_two_standbys_of_one_pipeline_on_one_checkpoint():
+    """`-f deploy/standby.yml`: two instances that differ only in the name Spark advertises
+    and the published metrics port, both `--standby` (the one restarted after a takeover
+    waits instead of being refused), both on a local master (a standby's condition)."""
+    from onceflow.lease import check_standby
+
+    project = compose_project("docker-compose.yml", "deploy/standby.yml")
+    services = project["services"]
+    pair = [services["onceflow"], services["onceflow-standby"]]
+    for name, service in zip(("onceflow", "onceflow-standby"), pair, strict=True):
+        assert service["command"] == ["run", "--standby", "/etc/onceflow/pipeline.yaml"], name
+        assert service["environment"]["SPARK_LOCAL_HOSTNAME"] == name
+        assert "hostname" not in service  # containers of their own: distinct host names
+        assert service["restart"] == "unless-stopped"
+        assert all(port["host_ip"] == "127.0.0.1" for port in service["ports"])
+        raw = yaml.safe_load((REPO / "deploy/pipeline.yaml").read_text())
+        apply_env_overrides(raw, service["environment"])
+        check_standby(parse(raw))
+    # The same image, command, volumes, health check and policies; the standby does not build.
+    differ = ("environment", "ports", "build")
+    same = [{k: v for k, v in service.items() if k not in differ} for service in pair]
+    assert same[0] == same[1]
+    assert {k: v for k, v in pair[0]["environment"].items() if k != "SPARK_LOCAL_HOSTNAME"} == {
+        k: v for k, v in pair[1]["environment"].items() if k != "SPARK_LOCAL_HOSTNAME"
+    }
+    assert len({port["published"] for s in pair for port in s["ports"]}) == 2
+    mounts = {v["target"]: v["source"] for v in services["prometheus"]["volumes"]}
+    scrape = yaml.safe_load(Path(mounts["/etc/prometheus/prometheus.yml"]).read_text())
+    targets = scrape["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert targets == ["onceflow:9108", "onceflow-standby:9108"]

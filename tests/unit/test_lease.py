@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from onceflow.config import ConfigError
 from onceflow.connectors.checkpoint import CLAIM, CheckpointDir
 from onceflow.connectors.errors import CheckpointClaimError
-from onceflow.lease import LEASE_S, Lease
+from onceflow.lease import LEASE_S, LOCK_FILE, Lease
 
 
 def hold(tmp_path, **holder) -> CheckpointDir:
@@ -23,6 +28,35 @@ def hold(tmp_path, **holder) -> CheckpointDir:
     }
     (tmp_path / CLAIM).write_text(json.dumps(claim))
     return checkpoint
+
+
+HOLDER = """
+import sys, time
+from onceflow.connectors.checkpoint import CheckpointDir
+from onceflow.lease import Lease
+lease = Lease(CheckpointDir(sys.argv[1]), "app")
+lease.holder.update(host=sys.argv[2], pid=int(sys.argv[3]))
+lease.acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@contextlib.contextmanager
+def holder_process(tmp_path, host: str, pid: int) -> Iterator[subprocess.Popen]:
+    """Another process holding the lease, recorded with `host` and `pid`: as an instance in
+    another container of this host records itself (its own host name, its namespace's pid)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path), host, str(pid)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout.readline() == "held\n"
+        yield process
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_a_second_instance_is_refused_naming_the_holder(tmp_path):
@@ -40,15 +74,6 @@ def test_a_lease_whose_heartbeat_expired_is_taken_over(tmp_path):
     lease.acquire()
     assert json.loads((tmp_path / CLAIM).read_text())["holder"] == lease.holder
     lease.release()
-
-
-def test_a_dead_process_of_this_host_holds_nothing(tmp_path):
-    import socket
-
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    checkpoint = hold(tmp_path, host=socket.gethostname(), pid=dead.pid)
-    Lease(checkpoint, "app").acquire()
 
 
 def test_a_released_lease_is_free_and_a_second_start_is_refused_while_held(tmp_path):
@@ -123,70 +148,145 @@ def test_a_standby_needs_a_checkpoint_with_a_lease(tmp_path):
         check_standby(config_for(tmp_path, master="spark://spark-master:7077"))
 
 
-def test_a_holder_in_another_pid_namespace_is_not_looked_up_here(tmp_path):
-    """A sibling container with the same host name: its pid means nothing in this namespace;
-    it is gone only once it has missed a renewal."""
-    import socket
-
-    from onceflow.lease import MISSED_RENEWAL_S
-
-    dead = subprocess.Popen(["true"])
-    dead.wait()  # no such process here; the holder's may well be alive in its own namespace
-    sibling = {"host": socket.gethostname(), "pid": dead.pid, "pid_namespace": 1}
-    lease = Lease(hold(tmp_path, **sibling), "app")
-    assert not lease._is_free(sibling, time.time() - 5)
-    assert lease._is_free(sibling, time.time() - MISSED_RENEWAL_S - 1)
+def test_a_live_holder_with_this_host_name_and_this_processes_pid_keeps_its_lease(tmp_path):
+    """Two containers sharing a host name (host networking, one pod) in which onceflow has the
+    same pid: the holder is not this process' earlier life while its process lives."""
+    checkpoint = CheckpointDir(tmp_path)
+    with (
+        holder_process(tmp_path, socket.gethostname(), os.getpid()),
+        pytest.raises(CheckpointClaimError, match=f"pid {os.getpid()}"),
+    ):
+        Lease(checkpoint, "app").acquire()
 
 
-def test_a_start_waits_for_a_sibling_namespace_holder_to_miss_a_renewal(tmp_path, monkeypatch):
-    import socket
-    import threading
-
-    from onceflow import lease
-
-    MISSED_RENEWAL_S = 2.0  # the lease's, shortened for the test
-    monkeypatch.setattr(lease, "MISSED_RENEWAL_S", MISSED_RENEWAL_S)
-
-    sibling = {"host": socket.gethostname(), "pid": 999_999, "pid_namespace": 1}
-    checkpoint = hold(tmp_path, **sibling)
-    claim = json.loads((tmp_path / CLAIM).read_text())
-    claim["heartbeat"] = time.time() - MISSED_RENEWAL_S + 1  # a renewal is due in 1 s
-    (tmp_path / CLAIM).write_text(json.dumps(claim))
-    started = time.monotonic()
-    Lease(checkpoint, "app").acquire()  # it never renews: this container's earlier life
-    assert time.monotonic() - started >= 0.9
-
-    renewing = threading.Event()
-
-    def renew() -> None:  # a live sibling
-        while not renewing.wait(0.2):
-            with checkpoint.claim() as live:
-                live["holder"], live["heartbeat"] = sibling, time.time()
-
-    claim["heartbeat"] = time.time()
-    (tmp_path / CLAIM).write_text(json.dumps(claim))
-    threading.Thread(target=renew, daemon=True).start()
-    try:
-        with pytest.raises(CheckpointClaimError):
+def test_a_holder_in_another_container_of_this_host_is_free_once_its_process_is_gone(tmp_path):
+    checkpoint = CheckpointDir(tmp_path)
+    with holder_process(tmp_path, "onceflow-standby", 7) as holder:
+        with pytest.raises(CheckpointClaimError, match="host onceflow-standby, pid 7"):
             Lease(checkpoint, "app").acquire()
-    finally:
-        renewing.set()
+        holder.kill()
+        holder.wait()
+        heartbeat = json.loads((tmp_path / CLAIM).read_text())["heartbeat"]
+        lease = Lease(checkpoint, "app")
+        lease.acquire()  # at once: its heartbeat is fresh, its lock free
+    assert time.time() - heartbeat < LEASE_S
+    assert json.loads((tmp_path / CLAIM).read_text())["holder"] == lease.holder
+    lease.release()
 
 
-def test_a_reused_pid_does_not_keep_a_dead_holders_lease(tmp_path):
-    import os
-    import socket
+def test_a_holder_on_another_kernel_is_free_only_when_its_heartbeat_expires(tmp_path):
+    """Another host sharing the volume: its lock means nothing here (a network file system
+    may lock locally), so only its heartbeat tells, even for this very lock file."""
+    (tmp_path / LOCK_FILE).write_text("")
+    stat = (tmp_path / LOCK_FILE).stat()
+    lock = {"boot": "another-boot", "device": stat.st_dev, "inode": stat.st_ino}
+    checkpoint = hold(tmp_path, lock=lock)
+    with pytest.raises(CheckpointClaimError, match="host other-host"):
+        Lease(checkpoint, "app").acquire()
+    claim = json.loads((tmp_path / CLAIM).read_text())
+    claim["heartbeat"] -= LEASE_S + 1
+    (tmp_path / CLAIM).write_text(json.dumps(claim))
+    Lease(checkpoint, "app").acquire()
 
-    from onceflow.lease import _pid_namespace, _started
 
-    alive = subprocess.Popen(["sleep", "30"])
-    try:
-        mine = {"host": socket.gethostname(), "pid": alive.pid, "pid_namespace": _pid_namespace()}
-        with pytest.raises(CheckpointClaimError):  # the holder runs: refused
-            Lease(hold(tmp_path, **mine, pid_started=_started(alive.pid)), "app").acquire()
-        reused = {**mine, "pid_started": _started(alive.pid) - 1}  # an earlier process' pid
-        Lease(hold(tmp_path, **reused), "app").acquire()
-    finally:
-        alive.kill()
-        alive.wait()
-    assert os.getpid() != alive.pid
+def test_a_lock_on_a_file_system_that_may_lock_per_client_proves_nothing(tmp_path, monkeypatch):
+    """NFS with `local_lock`, FUSE: another kernel's holder (two VMs cloned from one memory
+    snapshot share a boot id) would find the lock free. Only a local file system's counts."""
+    from onceflow import lease as lease_module
+
+    def gone_holder(directory) -> CheckpointDir:
+        """A holder on another host whose lock is free now, its claim as it left it."""
+        directory.mkdir()
+        holder = Lease(CheckpointDir(directory), "app")
+        holder.holder["host"] = "elsewhere"
+        holder.acquire()
+        holder._drop_lock()
+        return CheckpointDir(directory)
+
+    monkeypatch.setattr(lease_module, "_file_system_type", lambda device: "nfs4")
+    checkpoint = gone_holder(tmp_path / "nfs")
+    assert json.loads((tmp_path / "nfs" / CLAIM).read_text())["holder"]["lock"]["boot"] is None
+    with pytest.raises(CheckpointClaimError, match="host elsewhere"):
+        Lease(checkpoint, "app").acquire()
+    monkeypatch.setattr(lease_module, "_file_system_type", lambda device: "ext4")
+    Lease(gone_holder(tmp_path / "ext4"), "app").acquire()  # a local one's free lock frees it
+
+
+def test_a_lock_file_that_cannot_be_opened_costs_only_the_quick_takeover(tmp_path):
+    """The lease is still taken and renewed; only the holder's death is then seen when its
+    heartbeat expires."""
+    (tmp_path / LOCK_FILE).mkdir()  # cannot be opened for writing
+    lease = Lease(CheckpointDir(tmp_path), "app")
+    lease.acquire()
+    assert lease.holder["lock"] is None
+    before = json.loads((tmp_path / CLAIM).read_text())["heartbeat"]
+    time.sleep(0.01)
+    lease.renew_once()
+    assert json.loads((tmp_path / CLAIM).read_text())["heartbeat"] > before
+    assert not lease.lost.is_set()
+    lease.release()
+
+
+def test_a_holder_without_a_lock_is_free_only_when_its_heartbeat_expires(tmp_path):
+    """An earlier onceflow's record, with no process to ask: dead or alive, it is held until
+    its heartbeat is LEASE_S old."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    checkpoint = hold(tmp_path, host=socket.gethostname(), pid=dead.pid)
+    with pytest.raises(CheckpointClaimError, match="expires 30 s from now"):
+        Lease(checkpoint, "app").acquire()
+
+
+def test_a_lock_file_replaced_under_its_holder_does_not_free_the_lease(tmp_path):
+    """A checkpoint copied back over a running instance's: the new file's lock is free, but it
+    is not the one the holder holds."""
+    checkpoint = CheckpointDir(tmp_path)
+    with holder_process(tmp_path, "onceflow-standby", 7):
+        (tmp_path / LOCK_FILE).rename(tmp_path / "moved.lock")
+        (tmp_path / LOCK_FILE).write_text("")
+        with pytest.raises(CheckpointClaimError, match="host onceflow-standby"):
+            Lease(checkpoint, "app").acquire()
+
+
+def test_an_instance_that_took_over_from_a_paused_holder_locks_once_the_holder_exits(tmp_path):
+    """A holder paused past its lease still holds the lock when another instance takes over;
+    the new holder takes the lock at a renewal once the old one is gone, so that its own death
+    is seen at once again."""
+    checkpoint = CheckpointDir(tmp_path)
+    with holder_process(tmp_path, "paused", 7) as paused:
+        claim = json.loads((tmp_path / CLAIM).read_text())
+        claim["heartbeat"] -= LEASE_S + 1
+        (tmp_path / CLAIM).write_text(json.dumps(claim))
+        lease = Lease(checkpoint, "app")
+        lease.acquire()
+        assert lease.holder["lock"] is None
+        lease.renew_once()
+        assert json.loads((tmp_path / CLAIM).read_text())["holder"]["lock"] is None
+        paused.kill()
+        paused.wait()
+        lease.renew_once()
+    recorded = json.loads((tmp_path / CLAIM).read_text())["holder"]["lock"]
+    assert recorded is not None and recorded == lease.holder["lock"]
+    with pytest.raises(CheckpointClaimError):
+        Lease(checkpoint, "app").acquire()  # the lock is held (by this process' lease)
+    lease.release()
+    Lease(checkpoint, "app").acquire()
+
+
+def test_a_refused_start_keeps_no_lock(tmp_path):
+    """An instance refused at start must not keep the lock: a standby polls every 0.25 s, and a
+    lock it kept would hide the holder's death from every other instance."""
+    checkpoint = CheckpointDir(tmp_path)
+    with holder_process(tmp_path, "paused", 7):
+        claim = json.loads((tmp_path / CLAIM).read_text())
+        claim["heartbeat"] -= LEASE_S + 1
+        (tmp_path / CLAIM).write_text(json.dumps(claim))
+        holder = Lease(checkpoint, "app")
+        holder.acquire()  # without the lock, which the paused one holds
+    refused = Lease(checkpoint, "app")  # the lock is free now, the lease is not
+    with pytest.raises(CheckpointClaimError):
+        refused.acquire()
+    assert refused._lock_fd is None and refused.holder["lock"] is None
+    holder.renew_once()
+    assert holder.holder["lock"] is not None  # the refused start left the lock free
+    holder.release()
