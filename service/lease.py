@@ -4,10 +4,11 @@ Kafka fencing and Spark's logs already keep a second instance from publishing tw
 only once it reaches a commit; a lease refuses it at start, with a message naming the
 holder. The holder renews its heartbeat every LEASE_S / 3 seconds, and holds a kernel lock
 (`flock`) on a file beside the claim for as long as its process lives. A lease is free when
-it was released, when its heartbeat is older than LEASE_S, or when its holder ran on this
-kernel (the same boot: any container of this host) and its lock is free: the kernel drops a
-dead process' locks, whatever its host name, pid or pid namespace. A holder on another
-kernel (another host sharing the volume) is free only when its heartbeat expires.
+it was released, when its heartbeat is older than LEASE_S, or when its holder locked on a
+local file system of this kernel (the same boot: any container of this host) and its lock
+is free: the kernel drops a dead process' locks, whatever its host name, pid or pid
+namespace. Any other holder (another host's, one on a network file system) is free only
+when its heartbeat expires.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class Lease:
             "instance": uuid.uuid4().hex,
             "since": time.time(),
             "lock": None,  # the lock file's identity and this kernel's boot, while held
-            # Read by onceflow 0.1.0's lease, which knew no lock: a standby of that version
-            # beside this one (a rolling upgrade) must not take this process for a dead one.
+            # Read by the lease of earlier builds, which knew no lock: such a standby beside
+            # this one (a rolling upgrade) must not take this process for a dead one.
             "pid_namespace": _pid_namespace(),
             "pid_started": _started(os.getpid()),
         }
@@ -247,7 +248,7 @@ def _pid_namespace() -> int | None:
 
 
 def _started(pid: int) -> int | None:
-    """The process' start time (clock ticks after boot), as onceflow 0.1.0's lease reads it."""
+    """The process' start time (clock ticks after boot), as earlier builds' lease reads it."""
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
