@@ -57,6 +57,7 @@ class Lease:
         }
         self._lock_fd: int | None = None
         self._fd_guard = threading.Lock()  # the renewal thread and release() both drop it
+        self._unopenable_logged = False
         self._stop = threading.Event()
         self.lost = threading.Event()  # set when another instance took the lease over
         self.lost_to: dict = {}
@@ -106,25 +107,35 @@ class Lease:
         """Lock the lease's file if no live process holds it; record what was locked. A
         lock that cannot be taken (held, or the file not openable) is no lock: the
         heartbeat tells."""
-        if self._lock_fd is not None:
-            return
-        try:
-            fd = os.open(self.checkpoint.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            stat = os.fstat(fd)
-        except OSError:
-            os.close(fd)
-            return
-        self._lock_fd = fd
-        # Only a local file system's lock is the kernel's alone. One shared over a network
-        # may lock per client (NFS `local_lock`, FUSE), and two VMs cloned from one memory
-        # snapshot share a boot id: such a lock proves nothing, the heartbeat tells.
-        local = _file_system_type(stat.st_dev) in LOCAL_FILE_SYSTEMS
-        boot = _boot_id() if local else None
-        self.holder["lock"] = {"boot": boot, "device": stat.st_dev, "inode": stat.st_ino}
+        with self._fd_guard:
+            if self._lock_fd is not None or self._stop.is_set():
+                return
+            try:
+                fd = os.open(self.checkpoint.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                if not self._unopenable_logged:
+                    log.warning(
+                        "cannot open the lease's lock file %s (%s): an instance that takes "
+                        "over after this one dies waits for its heartbeat to expire (%.0f s)",
+                        self.checkpoint.path / LOCK_FILE,
+                        exc.strerror,
+                        LEASE_S,
+                    )
+                    self._unopenable_logged = True
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                stat = os.fstat(fd)
+            except OSError:
+                os.close(fd)
+                return
+            self._lock_fd = fd
+            # Only a local file system's lock is the kernel's alone. One shared over a network
+            # may lock per client (NFS `local_lock`, FUSE), and two VMs cloned from one memory
+            # snapshot share a boot id: such a lock proves nothing, the heartbeat tells.
+            local = _file_system_type(fd) in LOCAL_FILE_SYSTEMS
+            boot = _boot_id() if local else None
+            self.holder["lock"] = {"boot": boot, "device": stat.st_dev, "inode": stat.st_ino}
 
     def _drop_lock(self) -> None:
         with self._fd_guard:
@@ -137,7 +148,7 @@ class Lease:
         while not self._stop.wait(LEASE_S / 3):
             try:
                 self.renew_once()
-            except OSError as exc:  # the next renewal tries again; the lease lasts LEASE_S
+            except Exception as exc:  # the next renewal tries again; the lease lasts LEASE_S
                 log.warning("could not renew the checkpoint lease: %s", exc)
             if self.lost.is_set():
                 return
@@ -226,17 +237,19 @@ def acquire(config: PipelineConfig) -> Lease | None:
     return lease
 
 
-def _file_system_type(device: int) -> str | None:
-    """The type of the mounted file system with this device number (/proc/self/mountinfo)."""
-    wanted = f"{os.major(device)}:{os.minor(device)}"
+def _file_system_type(fd: int) -> str | None:
+    """The type of the file system that open file `fd` is on, found by its mount (the mount
+    id in /proc/self/fdinfo): a btrfs subvolume's or an overlay's device number is not its
+    mount's. None when it cannot be told."""
     try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
+        info = Path(f"/proc/self/fdinfo/{fd}").read_bytes().splitlines()
+        mount = next(line.split()[1] for line in info if line.startswith(b"mnt_id:"))
+        for line in Path("/proc/self/mountinfo").read_bytes().splitlines():
+            fields = line.split()
+            if fields and fields[0] == mount and b"-" in fields[1:]:
+                return fields[fields.index(b"-", 1) + 1].decode("ascii", "replace")
+    except (OSError, StopIteration, IndexError):
         return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) > 2 and fields[2] == wanted and "-" in fields:
-            return fields[fields.index("-") + 1]
     return None
 
 

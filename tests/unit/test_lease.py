@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -290,3 +291,26 @@ def test_a_refused_start_keeps_no_lock(tmp_path):
     holder.renew_once()
     assert holder.holder["lock"] is not None  # the refused start left the lock free
     holder.release()
+
+
+@pytest.mark.parametrize("directory", ["tmp", "/dev/shm"])
+def test_the_lock_files_file_system_is_read_from_its_own_mount(tmp_path, directory):
+    """By the open file's mount, as findmnt (util-linux) reads it: a btrfs subvolume's device
+    number is not its mount's, so a look-up by device would call it unknown."""
+    from onceflow.lease import _file_system_type
+
+    where = tmp_path if directory == "tmp" else Path(directory)
+    path = where / f"lock-{os.getpid()}"
+    expected = subprocess.run(
+        ["findmnt", "-n", "-o", "FSTYPE", "-T", str(path.parent)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()[-1]  # the mount on top, where a path leads
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        assert _file_system_type(fd) == expected
+    finally:
+        os.close(fd)
+        path.unlink()
+    assert _file_system_type(10_000_000) is None  # no such descriptor: cannot be told
