@@ -63,8 +63,8 @@ def run(
         metrics = PipelineMetrics(config.app_id)
         input_bytes = spark.sparkContext.accumulator(0)
         listener = PipelineListener(metrics, config.checkpoint_location, input_bytes)
-        spark.streams.addListener(listener)
         server = _serve_metrics(config, metrics, listener)
+        spark.streams.addListener(listener)  # once nothing is left to fail: the session lives on
         lag_probe = probe_lag(metrics, listener, dict(config.kafka))
     except BaseException:
         if lease is not None:  # a caller in this process (the pytest plugin) lives on

@@ -691,13 +691,15 @@ def test_a_start_that_fails_after_taking_the_lease_leaves_the_checkpoint_free(
     kafka_bootstrap, spark, topics, tmp_path
 ):
     """A caller in this process (the pytest plugin, a notebook) lives on after a failed start:
-    the checkpoint's lease, and its lock, must not stay with it."""
+    the checkpoint's lease, and its lock, must not stay with it, nor a listener on its
+    session."""
     import socket
 
     from onceflow.config import ConfigError
     from onceflow.connectors.checkpoint import CheckpointDir
     from onceflow.lease import Lease
 
+    listeners = len(spark.streams._jsqm.listListeners())
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -706,6 +708,8 @@ def test_a_start_that_fails_after_taking_the_lease_leaves_the_checkpoint_free(
         config = parse(raw)
         with pytest.raises(ConfigError, match="metrics.port"):
             run(config, available_now=True)
+    # Nor its query listener: the session's later queries would feed a dead run's metrics.
+    assert len(spark.streams._jsqm.listListeners()) == listeners
     lease = Lease(CheckpointDir(config.checkpoint_location), config.app_id)
     lease.acquire()  # refused while the failed start still holds it
     lease.release()
