@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -44,7 +44,12 @@ class Service:
     started: ClassVar[list[Service]] = []  # of the running test (see stop_leftovers)
 
     def __init__(
-        self, pipeline: Path, log: Path, *flags: str, fault: str = "", container: list[str] = ()
+        self,
+        pipeline: Path,
+        log: Path,
+        *flags: str,
+        fault: str = "",
+        container: Sequence[str] = (),
     ):
         Service.started.append(self)
         env = {**os.environ, "ONCEFLOW_FAULT": fault}

@@ -28,8 +28,13 @@ SERVICES = COMPOSE["services"]
 def onceflow_config():
     service = SERVICES["onceflow"]
     mount = next(v for v in service["volumes"] if v.endswith(":/etc/onceflow/pipeline.yaml:ro"))
-    raw = yaml.safe_load((REPO / mount.split(":")[0]).read_text())
-    apply_env_overrides(raw, {k: _unset(v) for k, v in service["environment"].items()})
+    return pipeline_config(REPO / mount.split(":")[0], service["environment"])
+
+
+def pipeline_config(path: Path, environment: dict):
+    """The pipeline file at `path` as a service with `environment` runs it."""
+    raw = yaml.safe_load(path.read_text())
+    apply_env_overrides(raw, {k: _unset(v) for k, v in environment.items()})
     return parse(raw)
 
 
@@ -272,9 +277,9 @@ def test_the_standby_override_runs_two_standbys_of_one_pipeline_on_one_checkpoin
         assert "hostname" not in service  # containers of their own: distinct host names
         assert service["restart"] == "unless-stopped"
         assert all(port["host_ip"] == "127.0.0.1" for port in service["ports"])
-        raw = yaml.safe_load((REPO / "deploy/pipeline.yaml").read_text())
-        apply_env_overrides(raw, service["environment"])
-        check_standby(parse(raw))
+        mounts = {v["target"]: v["source"] for v in service["volumes"]}
+        pipeline = Path(mounts["/etc/onceflow/pipeline.yaml"])
+        check_standby(pipeline_config(pipeline, service["environment"]))
     # The same image, command, volumes, health check and policies; the standby does not build.
     differ = ("environment", "ports", "build")
     same = [{k: v for k, v in service.items() if k not in differ} for service in pair]
