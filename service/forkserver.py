@@ -227,10 +227,7 @@ def run(path: str, module: str, args: list[str]) -> None:
     server = _connect(path)
     pid, child = _ask_for_child(server, module, args, ignored) if server else (_REFUSED, None)
     if pid == _REFUSED:
-        import runpy
-
-        sys.argv = [module, *args]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        run_as_main(module, args)
         return
     assert server is not None
     # The JVM's pipes now belong to the child alone: Spark sees their end when it ends.
@@ -246,6 +243,47 @@ def run(path: str, module: str, args: list[str]) -> None:
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code & 0xFF)
+
+
+def run_as_main(module: str, args: list[str]) -> None:
+    """`python -m module args` for one of pyspark's modules, which ends quietly (exit 1) where
+    the JVM has hung up on it.
+
+    Spark closes a daemon's worker it kept idle after a minute without work, and stops its
+    processes at its own stop; the process reads the end of its input, writes an error and
+    flushes it. Over TCP that write went out unnoticed; over a Unix socket
+    (spark_session.python_socket_conf) it fails at once, and pyspark printed the
+    BrokenPipeError's traceback into the service's log, every minute a pipeline was idle.
+    No one is left to read that process. A daemon's worker is wrapped because the daemon
+    prints what its worker raises (re-raised from the final flush while
+    `spark.python.daemon.killWorkerOnFlushFailure` is true, Spark's default).
+    """
+    import runpy
+
+    sys.argv = [module, *args]
+    try:
+        if module == "pyspark.daemon":
+            import pyspark.daemon as daemon
+
+            if callable(getattr(daemon, "worker", None)) and callable(
+                getattr(daemon, "manager", None)
+            ):
+                daemon.worker = _quiet_when_hung_up(daemon.worker)
+                daemon.manager()  # what the module runs as __main__
+                return
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except BrokenPipeError:  # the JVM closed this process' socket
+        os._exit(1)
+
+
+def _quiet_when_hung_up(worker):
+    def quiet_worker(*args, **kwargs):
+        try:
+            return worker(*args, **kwargs)
+        except BrokenPipeError:  # the JVM closed this worker's socket
+            os._exit(1)
+
+    return quiet_worker
 
 
 def _connect(path: str) -> socket.socket | None:
@@ -572,10 +610,7 @@ def _become(request: dict, fds: list[int], sockets: list[socket.socket], pipe: l
         # as each process Spark starts has (Python's `random` reseeds itself on fork).
         if "numpy.random" in sys.modules:
             sys.modules["numpy.random"].seed()
-        import runpy
-
-        sys.argv = [request["module"], *request["args"]]
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        run_as_main(request["module"], request["args"])
         code = 0
     except SystemExit as exc:  # how Spark's Python processes end
         if exc.code is None or isinstance(exc.code, int):

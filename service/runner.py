@@ -58,7 +58,8 @@ def run(
     try:
         faults.watch_state_store_commits(config.checkpoint_location)
         checkpoint = CheckpointDir(config.checkpoint_location)
-        conf = checkpoint.spark_conf() | config.spark_conf  # the user's own settings win
+        # The user's own settings win.
+        conf = checkpoint.spark_conf() | _python_sockets(config) | config.spark_conf
         spark = build_session(config.spark_master, f"onceflow-{config.app_id}", conf)
         metrics = PipelineMetrics(config.app_id)
         input_bytes = spark.sparkContext.accumulator(0)
@@ -128,6 +129,21 @@ def run(
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+def _python_sockets(config: PipelineConfig) -> dict[str, str]:
+    """Spark's TCP for Spark's Python processes where an epoch opens a socket server in the
+    JVM: Spark registers each one's path with Java's deleteOnExit, which the JVM keeps until
+    it exits, over Unix sockets. That is one path per epoch in update mode (the batch goes
+    to the driver) and one per task of transformWithState (table lookups, perhaps a user's
+    transform): a driver heap that grows for as long as the pipeline runs (31 paths after 27
+    epochs of update mode, 4 after 27 of append mode). The other pipelines talk over Unix
+    sockets (spark_session.python_socket_conf)."""
+    update = config.window is not None and config.window.output_mode == "update"
+    lookups = any(source.lookups for source in config.sources)
+    if update or lookups or config.transform is not None:
+        return {"spark.python.unix.domain.socket.enabled": "false"}
+    return {}
 
 
 def _run_query(

@@ -39,6 +39,10 @@ DEFAULT_CONF = {
     "spark.redaction.regex": r"(?i)secret|password|token|access[.]?key|pem|jaas",
 }
 
+# The longest `spark.python.unix.domain.socket.dir` Spark takes (its sockets there,
+# `.<uuid>.sock`, must fit a sockaddr_un); with a longer one every Python stage fails.
+UNIX_SOCKET_DIR_MAX = 61
+
 # The driver JVM's collector: with it a restart on a small machine came sooner than with G1,
 # and the pipelines moved as many records per second once warm (README, "Recovery").
 DRIVER_GARBAGE_COLLECTOR = "-XX:+UseParallelGC"
@@ -85,7 +89,7 @@ def build_session(
     os.environ.setdefault("ONCEFLOW_SERVICE_PGID", str(os.getpgid(0)))
     from pyspark.sql import SparkSession
 
-    settings = dict(DEFAULT_CONF)
+    settings = DEFAULT_CONF | python_socket_conf(launcher)
     java_options = driver_java_options(conf or {})
     if java_options:  # a user's own JVM options replace these
         settings["spark.driver.extraJavaOptions"] = java_options
@@ -105,6 +109,25 @@ def build_session(
     quiet_spark_logs(spark)
     register_data_source(spark)
     return spark
+
+
+def python_socket_conf(launcher: str | None) -> dict[str, str]:
+    """Spark's Python processes connect to the JVM through Unix sockets in the fork server's
+    directory instead of loopback TCP, where a Python stage of an epoch waited 40 ms for a
+    delayed ACK (Nagle's algorithm; bench/results/first-epoch.md). Spark authenticates
+    those connections by nothing but the directory's mode, and this one is the driver's own
+    (0700), removed with it (after a SIGKILL, by the next driver's start). Only with the fork
+    server, which runs for a local master: Spark's Python processes then run where the
+    directory is."""
+    if launcher is None:
+        return {}
+    directory = os.path.dirname(launcher)
+    if len(directory) > UNIX_SOCKET_DIR_MAX:
+        return {}
+    return {
+        "spark.python.unix.domain.socket.enabled": "true",
+        "spark.python.unix.domain.socket.dir": directory,
+    }
 
 
 def _import_in_background(*modules: str) -> threading.Thread | None:

@@ -21,7 +21,7 @@ from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from onceflow.config import parse
 from onceflow.connectors.topics import create_topic, read_committed
 from onceflow.runner import run
-from tests.helpers import free_port, own_broker, produce, wait_until
+from tests.helpers import free_port, own_broker, processes, produce, wait_until
 
 pytestmark = pytest.mark.integration
 BASE = 1_700_000_000_000  # event times start here (ms)
@@ -516,6 +516,56 @@ def test_the_sinks_lines_reach_the_service_log_in_its_format(kafka_bootstrap, to
     ]
     ready = [line for line in sink if "ready; last published batch" in line["message"]]
     assert ready, result.stderr[-3000:]
+
+
+def _spark_python_workers(service: int) -> set[int]:
+    """The workers of the service's Python daemons: the fork server's grandchildren."""
+    seen = processes()
+    server = {
+        pid
+        for pid, (parent, command) in seen.items()
+        if parent == service and b"onceflow.forkserver" in b" ".join(command)
+    }
+    daemons = {pid for pid, (parent, _) in seen.items() if parent in server}
+    return {pid for pid, (parent, _) in seen.items() if parent in daemons}
+
+
+def test_an_idle_pipeline_whose_workers_spark_closes_logs_no_traceback(
+    kafka_bootstrap, topics, tmp_path
+):
+    """Spark closes the Python workers it kept idle after a minute without work. Over Unix
+    sockets each such worker's last write failed at once (BrokenPipeError), and pyspark's
+    daemon printed its traceback into the service's log, every minute of quiet."""
+    path = raw_pipeline(topics, tmp_path, kafka_bootstrap)
+    values = [b"v%d" % i for i in range(6)]
+    produce(kafka_bootstrap, topics["in"], [(None, v, i % 2) for i, v in enumerate(values)])
+    run = subprocess.Popen(
+        [sys.executable, "-m", "onceflow.cli", "run", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(
+            lambda: len(read_committed(kafka_bootstrap, topics["out"])) >= len(values),
+            180,
+            "the output",
+        )
+        workers = _spark_python_workers(run.pid)
+        assert workers, "no Python worker of Spark's found under the fork server"
+        # Spark's idle-worker monitor closes them 60-70 s after the last task.
+        wait_until(
+            lambda: not workers & _spark_python_workers(run.pid),
+            150,
+            "Spark to close its idle Python workers",
+        )
+    finally:
+        run.terminate()
+        _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    published = Counter(m.value() for m in read_committed(kafka_bootstrap, topics["out"]))
+    assert published == Counter(values)
 
 
 def test_an_unreachable_broker_ends_in_one_line_naming_the_address_and_the_cause(tmp_path):

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
+from onceflow.config import parse
 from onceflow.connectors.errors import FencedError
 from onceflow.pipeline import missed_its_start
-from onceflow.runner import failure
+from onceflow.runner import _python_sockets, failure
+from tests.unit.test_config import BASE, join_with, lookup_with, with_
 
 LATE = (
     "[STREAM_FAILED] Query [id = 1] terminated with exception: "
@@ -67,3 +71,22 @@ def test_a_python_error_with_a_message_of_several_lines_or_notes_is_named_by_its
         "\tat org.apache.spark.api.python.X(X.scala:1)"
     )
     assert str(failure(text)) == "[PYTHON_DATA_SOURCE_ERROR] Failed: ValueError: bad offset"
+
+
+TCP = {"spark.python.unix.domain.socket.enabled": "false"}
+
+
+@pytest.mark.parametrize(
+    "raw, conf",
+    [
+        (BASE, {}),  # windows in append mode
+        (with_(event_time=None, window=None), {}),  # pass-through
+        (join_with(), {}),  # sql
+        (with_(window={"output_mode": "update"}), TCP),  # each batch goes to the driver
+        (lookup_with(), TCP),  # transformWithState
+        ({**with_(window=None), "transform": "my_app:transform"}, TCP),  # it may use one
+    ],
+)
+def test_pipelines_whose_epochs_open_a_socket_server_in_the_jvm_keep_sparks_tcp(raw, conf):
+    """Over Unix sockets the JVM keeps each such server's path for good (deleteOnExit)."""
+    assert _python_sockets(parse(raw)) == conf

@@ -35,3 +35,19 @@ def test_the_driver_collects_with_the_parallel_collector_unless_one_is_chosen_el
         monkeypatch.setenv(name, "-XX:+UseG1GC -Xmx2g")
         assert "GC" not in spark_session.driver_java_options({}), name
         monkeypatch.delenv(name)
+
+
+def test_python_processes_use_unix_sockets_in_the_fork_servers_directory_when_it_runs():
+    launcher = "/tmp/onceflow-forkserver-123-abcd/python"
+    assert spark_session.python_socket_conf(launcher) == {
+        "spark.python.unix.domain.socket.enabled": "true",
+        "spark.python.unix.domain.socket.dir": "/tmp/onceflow-forkserver-123-abcd",
+    }
+    assert spark_session.python_socket_conf(None) == {}  # no server: Spark's TCP, as before
+
+
+def test_a_directory_longer_than_spark_takes_keeps_tcp():
+    """Spark refuses a socket directory over 61 characters, and every Python stage fails."""
+    fits = "/" + "d" * (spark_session.UNIX_SOCKET_DIR_MAX - 1)
+    assert spark_session.python_socket_conf(f"{fits}/python")
+    assert spark_session.python_socket_conf(f"{fits}d/python") == {}
