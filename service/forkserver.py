@@ -39,8 +39,9 @@ import struct
 import sys
 
 # What Spark's Python processes import. A fork copies no thread, so the server must start
-# none: these start none. Not the modules Spark runs as `__main__` (pyspark.daemon, the
-# streaming source's runner): runpy executes those anew, and warns when they were imported.
+# none: these start none. Not the streaming source's runner, which Spark runs as `__main__`:
+# runpy executes it anew, and warns when it was imported. (pyspark.daemon, also run as
+# `__main__`, is imported by its child: see run_as_main.)
 PRELOAD = (
     "pyspark.serializers",
     "pyspark.worker",
