@@ -58,8 +58,7 @@ def run(
     try:
         faults.watch_state_store_commits(config.checkpoint_location)
         checkpoint = CheckpointDir(config.checkpoint_location)
-        # The user's own settings win.
-        conf = checkpoint.spark_conf() | _python_sockets(config) | config.spark_conf
+        conf = session_conf(config, checkpoint)
         spark = build_session(config.spark_master, f"onceflow-{config.app_id}", conf)
         metrics = PipelineMetrics(config.app_id)
         input_bytes = spark.sparkContext.accumulator(0)
@@ -131,17 +130,23 @@ def run(
             server.server_close()
 
 
+def session_conf(config: PipelineConfig, checkpoint: CheckpointDir) -> dict[str, str]:
+    """The Spark settings a pipeline's session is built with; the user's own win."""
+    return checkpoint.spark_conf() | _python_sockets(config) | config.spark_conf
+
+
 def _python_sockets(config: PipelineConfig) -> dict[str, str]:
-    """Spark's TCP for Spark's Python processes where an epoch opens a socket server in the
-    JVM: Spark registers each one's path with Java's deleteOnExit, which the JVM keeps until
-    it exits, over Unix sockets. That is one path per epoch in update mode (the batch goes
-    to the driver) and one per task of transformWithState (table lookups, perhaps a user's
-    transform): a driver heap that grows for as long as the pipeline runs (31 paths after 27
-    epochs of update mode, 4 after 27 of append mode). The other pipelines talk over Unix
-    sockets (spark_session.python_socket_conf)."""
+    """Spark's TCP for a pipeline whose epochs open socket servers in the JVM. Over Unix
+    sockets Spark registers each such socket's path with Java's deleteOnExit, and the JVM
+    keeps every path until it exits: the driver's heap would grow for as long as the
+    pipeline runs (README, "Recovery"). They open in update mode (each batch goes to the
+    driver), for each task of transformWithState (table lookups, perhaps a user's
+    transform) and, without Spark's daemon, for every task. The other pipelines talk over
+    Unix sockets (spark_session.python_socket_conf)."""
     update = config.window is not None and config.window.output_mode == "update"
     lookups = any(source.lookups for source in config.sources)
-    if update or lookups or config.transform is not None:
+    no_daemon = config.spark_conf.get("spark.python.use.daemon", "true").lower() == "false"
+    if update or lookups or config.transform is not None or no_daemon:
         return {"spark.python.unix.domain.socket.enabled": "false"}
     return {}
 

@@ -39,8 +39,9 @@ DEFAULT_CONF = {
     "spark.redaction.regex": r"(?i)secret|password|token|access[.]?key|pem|jaas",
 }
 
-# The longest `spark.python.unix.domain.socket.dir` Spark takes (its sockets there,
-# `.<uuid>.sock`, must fit a sockaddr_un); with a longer one every Python stage fails.
+# The longest `spark.python.unix.domain.socket.dir` Spark takes, in characters; its sockets
+# there, `.<uuid>.sock`, must fit a sockaddr_un's 107 bytes. Counted here in bytes, both hold.
+# With a longer one every Python stage fails.
 UNIX_SOCKET_DIR_MAX = 61
 
 # The driver JVM's collector: with it a restart on a small machine came sooner than with G1,
@@ -113,7 +114,7 @@ def build_session(
 
 def python_socket_conf(launcher: str | None) -> dict[str, str]:
     """Spark's Python processes connect to the JVM through Unix sockets in the fork server's
-    directory instead of loopback TCP, where a Python stage of an epoch waited 40 ms for a
+    directory instead of loopback TCP, where each Python stage of an epoch waited for a
     delayed ACK (Nagle's algorithm; bench/results/first-epoch.md). Spark authenticates
     those connections by nothing but the directory's mode, and this one is the driver's own
     (0700), removed with it (after a SIGKILL, by the next driver's start). Only with the fork
@@ -122,7 +123,7 @@ def python_socket_conf(launcher: str | None) -> dict[str, str]:
     if launcher is None:
         return {}
     directory = os.path.dirname(launcher)
-    if len(directory) > UNIX_SOCKET_DIR_MAX:
+    if len(directory.encode()) > UNIX_SOCKET_DIR_MAX:
         return {}
     return {
         "spark.python.unix.domain.socket.enabled": "true",

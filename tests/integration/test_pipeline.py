@@ -530,6 +530,14 @@ def _spark_python_workers(service: int) -> set[int]:
     return {pid for pid, (parent, _) in seen.items() if parent in daemons}
 
 
+def _fork_server_directory(service: int) -> Path:
+    """Where the service's fork server, and Spark's Unix sockets, are."""
+    for parent, command in processes().values():
+        if parent == service and b"--serve" in command:
+            return Path(command[command.index(b"--serve") + 1].decode()).parent
+    raise AssertionError("the service runs no fork server")
+
+
 def test_an_idle_pipeline_whose_workers_spark_closes_logs_no_traceback(
     kafka_bootstrap, topics, tmp_path
 ):
@@ -553,6 +561,7 @@ def test_an_idle_pipeline_whose_workers_spark_closes_logs_no_traceback(
         )
         workers = _spark_python_workers(run.pid)
         assert workers, "no Python worker of Spark's found under the fork server"
+        assert list(_fork_server_directory(run.pid).glob(".*.sock")), "no Unix socket of Spark's"
         # Spark's idle-worker monitor closes them 60-70 s after the last task.
         wait_until(
             lambda: not workers & _spark_python_workers(run.pid),

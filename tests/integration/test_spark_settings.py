@@ -72,7 +72,10 @@ def test_sparks_python_workers_reach_the_jvm_through_unix_sockets_in_the_drivers
     spark,
 ):
     """Over loopback TCP a Python stage waited 40 ms for a delayed ACK (Nagle's algorithm)."""
+    assert forkserver._server is not None, "no fork server: is PYSPARK_PYTHON set?"
     directory = os.path.dirname(forkserver._server[1])
+    conf = spark.sparkContext.getConf()
+    assert conf.get("spark.python.unix.domain.socket.dir") == directory, conf.getAll()
     rows = spark.range(0, 4, 1, 2).mapInArrow(_worker_sockets, "family STRING, name STRING")
     sockets = {(row.family, row.name) for row in rows.collect()}
     # A worker's connection from the JVM came to its daemon's socket, Spark's `.<uuid>.sock`

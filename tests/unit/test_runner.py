@@ -7,9 +7,10 @@ from types import SimpleNamespace
 import pytest
 
 from onceflow.config import parse
+from onceflow.connectors.checkpoint import CheckpointDir
 from onceflow.connectors.errors import FencedError
 from onceflow.pipeline import missed_its_start
-from onceflow.runner import _python_sockets, failure
+from onceflow.runner import _python_sockets, failure, session_conf
 from tests.unit.test_config import BASE, join_with, lookup_with, with_
 
 LATE = (
@@ -85,8 +86,21 @@ TCP = {"spark.python.unix.domain.socket.enabled": "false"}
         (with_(window={"output_mode": "update"}), TCP),  # each batch goes to the driver
         (lookup_with(), TCP),  # transformWithState
         ({**with_(window=None), "transform": "my_app:transform"}, TCP),  # it may use one
+        # Without the daemon every task and commit opens one.
+        (with_(spark={"conf": {"spark.python.use.daemon": "false"}}), TCP),
     ],
 )
 def test_pipelines_whose_epochs_open_a_socket_server_in_the_jvm_keep_sparks_tcp(raw, conf):
     """Over Unix sockets the JVM keeps each such server's path for good (deleteOnExit)."""
     assert _python_sockets(parse(raw)) == conf
+
+
+def test_the_session_keeps_tcp_for_such_a_pipeline_unless_its_own_setting_says_otherwise(
+    tmp_path,
+):
+    update = with_(window={"output_mode": "update"}, checkpoint={"location": str(tmp_path)})
+    checkpoint = CheckpointDir(str(tmp_path))
+    setting = "spark.python.unix.domain.socket.enabled"
+    assert session_conf(parse(update), checkpoint)[setting] == "false"
+    own = parse({**update, "spark": {"conf": {setting: "true"}}})
+    assert session_conf(own, checkpoint)[setting] == "true"

@@ -51,3 +51,4 @@ def test_a_directory_longer_than_spark_takes_keeps_tcp():
     fits = "/" + "d" * (spark_session.UNIX_SOCKET_DIR_MAX - 1)
     assert spark_session.python_socket_conf(f"{fits}/python")
     assert spark_session.python_socket_conf(f"{fits}d/python") == {}
+    assert spark_session.python_socket_conf(f"{fits[:-1]}\u00e9/python") == {}  # 62 bytes
