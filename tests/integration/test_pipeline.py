@@ -396,6 +396,17 @@ def test_transform_with_keyed_state_keeps_running_totals(kafka_bootstrap, spark,
         query.stop()
 
 
+def service(path: Path, **env: str) -> subprocess.Popen:
+    """`onceflow run path` as a process of its own, its output kept, with `env` added."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "onceflow.cli", "run", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+
+
 def cli(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "onceflow.cli", *args],
@@ -547,12 +558,7 @@ def test_an_idle_pipeline_whose_workers_spark_closes_logs_no_traceback(
     path = raw_pipeline(topics, tmp_path, kafka_bootstrap)
     values = [b"v%d" % i for i in range(6)]
     produce(kafka_bootstrap, topics["in"], [(None, v, i % 2) for i, v in enumerate(values)])
-    run = subprocess.Popen(
-        [sys.executable, "-m", "onceflow.cli", "run", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = service(path)
     try:
         wait_until(
             lambda: len(read_committed(kafka_bootstrap, topics["out"])) >= len(values),
@@ -626,13 +632,7 @@ def test_a_broker_that_stops_mid_run_ends_the_run_in_one_line(tmp_path):
         }
         path.write_text(yaml.safe_dump(raw))
         produce(broker.bootstrap, "in", [(None, b"v%d" % i, 0) for i in range(10)])
-        run = subprocess.Popen(
-            [sys.executable, "-m", "onceflow.cli", "run", str(path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "ONCEFLOW_KAFKA_TIMEOUT": "10"},
-        )
+        run = service(path, ONCEFLOW_KAFKA_TIMEOUT="10")
 
         def published() -> bool:
             assert run.poll() is None, "the run ended before the broker stopped"
@@ -691,13 +691,7 @@ def test_a_source_worker_that_misses_sparks_deadline_is_started_again(
     path = raw_pipeline(topics, tmp_path, kafka_bootstrap, port=port)
     values = [b"v%d" % i for i in range(20)]
     produce(kafka_bootstrap, topics["in"], [(None, v, i % 2) for i, v in enumerate(values)])
-    run = subprocess.Popen(
-        [sys.executable, "-m", "onceflow.cli", "run", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYSPARK_PYTHON": str(late_source_worker(tmp_path, times=1))},
-    )
+    run = service(path, PYSPARK_PYTHON=str(late_source_worker(tmp_path, times=1)))
 
     def published() -> bool:
         assert run.poll() is None, "the run ended"
