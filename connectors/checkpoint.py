@@ -14,11 +14,12 @@ import fcntl
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import OptionError
+from .errors import CheckpointClaimError, OptionError
 
 STAGING = "onceflow-staged"
 SINK_STATS = "onceflow-sink-stats.json"
@@ -26,6 +27,9 @@ SOURCE_STATS = "onceflow-source-stats.json"
 INITIAL_OFFSETS = "onceflow-initial-offsets.json"
 DEFAULT_SOURCE = "input"  # a pipeline's only input; its file keeps the name it always had
 CLAIM = "onceflow-app.json"
+# How long a claimer waits for the claim's lock, which every claimer holds for milliseconds;
+# one held longer belongs to a paused (SIGSTOP, a frozen container) or hung process.
+CLAIM_WAIT_S = 10.0
 # Spark writes its logs and state files through a CheckpointFileManager. Its default
 # (FileContext) forks 8 `readlink`s per file on a local disk (Hadoop 3.5 without its native
 # library), and is no more atomic there than this one: Hadoop's local rename checks that
@@ -160,8 +164,9 @@ class CheckpointDir:
     @contextlib.contextmanager
     def claim(self) -> Iterator[dict]:
         """The app's claim on the checkpoint, read and (if changed) written back under a
-        lock, so that two instances starting at once cannot both take it."""
-        with self._locked(CLAIM):
+        lock, so that two instances starting at once cannot both take it. Raises
+        CheckpointClaimError when another process holds that lock for over CLAIM_WAIT_S."""
+        with self._locked(CLAIM, CLAIM_WAIT_S):
             claim = self._read_json(CLAIM) or {}
             before = dict(claim)
             yield claim
@@ -175,11 +180,32 @@ class CheckpointDir:
             return None
 
     @contextlib.contextmanager
-    def _locked(self, name: str) -> Iterator[None]:
+    def _locked(self, name: str, wait_s: float | None = None) -> Iterator[None]:
+        """Hold the lock of file `name`, waiting for it for up to `wait_s` (None: for ever)."""
         self.path.mkdir(parents=True, exist_ok=True)
-        with open(self.path / f".{name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        path = self.path / f".{name}.lock"
+        with open(path, "w") as lock:
+            if wait_s is None:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            else:
+                _lock_within(lock.fileno(), path, wait_s)
             yield
+
+
+def _lock_within(fd: int, path: Path, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise CheckpointClaimError(
+                    f"another process has held {path} for over {wait_s:.0f} s: an instance of "
+                    f"the app that is paused or hung inside its claim (`fuser {path}` names "
+                    "it). Resume or stop it, then try again."
+                ) from None
+            time.sleep(0.01)
 
 
 def write_atomically(path: Path, data: bytes) -> None:

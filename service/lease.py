@@ -64,15 +64,19 @@ class Lease:
 
     def acquire(self) -> None:
         """Take the lease, or raise CheckpointClaimError naming its live holder."""
+        # The holder's heartbeat is judged as of now, before this instance may hold the
+        # claim's lock: paused while it holds it, this instance keeps the holder from
+        # renewing, and must not then find the heartbeat it held back expired.
+        asked_at = time.time()
         try:
             with self.checkpoint.claim() as claim:
-                self._claim(claim)
+                self._claim(claim, asked_at)
         except BaseException:
             self._drop_lock()  # a lock kept without the lease would keep out every other
             raise
         threading.Thread(target=self._renew, name="onceflow-lease", daemon=True).start()
 
-    def _claim(self, claim: dict) -> None:
+    def _claim(self, claim: dict, asked_at: float) -> None:
         owner = claim.get("app_id", self.app_id)
         if owner != self.app_id:
             raise ConfigError(
@@ -82,7 +86,7 @@ class Lease:
             )
         held = claim.get("holder")
         self._take_lock()
-        if held and not self._is_free(held, claim.get("heartbeat", 0.0)):
+        if held and not self._is_free(held, claim.get("heartbeat", 0.0), asked_at):
             self._drop_lock()  # inside the claim: the next claimer must find it free
             age = time.time() - claim.get("heartbeat", 0.0)
             raise CheckpointClaimError(
@@ -93,12 +97,12 @@ class Lease:
             )
         claim.update(app_id=self.app_id, holder=self.holder, heartbeat=time.time())
 
-    def _is_free(self, held: dict, heartbeat: float) -> bool:
-        """Free when its heartbeat expired, or when it held its lock on this kernel and this
-        instance could take that lock (of the same file): its process is gone. Else (another
-        host's, or a holder that could not lock: its predecessor, paused, still held the
-        lock) only its heartbeat tells."""
-        if time.time() - heartbeat > LEASE_S:
+    def _is_free(self, held: dict, heartbeat: float, asked_at: float) -> bool:
+        """Free when its heartbeat had expired at `asked_at`, or when it held its lock on this
+        kernel and this instance could take that lock (of the same file): its process is
+        gone. Else (another host's, or a holder that could not lock: its predecessor, paused,
+        still held the lock) only its heartbeat tells."""
+        if asked_at - heartbeat > LEASE_S:
             return True
         mine = self.holder["lock"]
         return mine is not None and mine["boot"] is not None and held.get("lock") == mine
@@ -181,7 +185,7 @@ class Lease:
                 if (claim.get("holder") or {}).get("instance") == self.holder["instance"]:
                     claim["holder"] = None
                 self._drop_lock()  # inside the claim: the next claimer finds the lock free
-        except OSError as exc:
+        except (OSError, CheckpointClaimError) as exc:  # its heartbeat expires; the lock goes
             self._drop_lock()
             log.warning("could not release the checkpoint lease: %s", exc)
 

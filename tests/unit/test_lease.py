@@ -314,3 +314,113 @@ def test_the_lock_files_file_system_is_read_from_its_own_mount(tmp_path, directo
         os.close(fd)
         path.unlink()
     assert _file_system_type(10_000_000) is None  # no such descriptor: cannot be told
+
+
+STANDBY = """
+import sys, time
+from onceflow import lease
+from onceflow.connectors.checkpoint import CheckpointDir
+from onceflow.connectors.errors import CheckpointClaimError
+lease.LEASE_S = float(sys.argv[2])
+print("claiming", flush=True)
+while True:
+    try:
+        lease.Lease(CheckpointDir(sys.argv[1]), "app").acquire()
+    except CheckpointClaimError:
+        time.sleep(0.02)
+        continue
+    print("took over", flush=True)
+    break
+"""
+
+
+def _claim_lock_holders(checkpoint: Path) -> set[int]:
+    """The pids holding a flock on the checkpoint's claim lock file (/proc/locks)."""
+    inode = (checkpoint / f".{CLAIM}.lock").stat().st_ino
+    holders = set()
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if fields[1] == "FLOCK" and int(fields[5].rsplit(":", 1)[1]) == inode:
+            holders.add(int(fields[4]))
+    return holders
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_standby_paused_holding_the_claim_lock_takes_no_lease_it_kept_from_renewal(
+    tmp_path, monkeypatch
+):
+    """A standby paused (SIGSTOP, a frozen container) while it holds the claim's lock keeps
+    the active instance from renewing its heartbeat. Resumed past LEASE_S, it must not call
+    the heartbeat it held back expired and take over from a live instance."""
+    import signal
+
+    from onceflow import lease as lease_module
+    from tests.helpers import wait_until
+
+    lease_s = 3.0
+    monkeypatch.setattr(lease_module, "LEASE_S", lease_s)
+    active = Lease(CheckpointDir(tmp_path), "app")
+    active.acquire()
+    # A claim file large enough that each of the standby's claims (a read every 20 ms) holds
+    # the lock for milliseconds, where a pause can land.
+    claim = json.loads((tmp_path / CLAIM).read_text())
+    (tmp_path / CLAIM).write_text(json.dumps({**claim, "padding": "x" * 4_000_000}))
+    standby = subprocess.Popen(
+        [sys.executable, "-c", STANDBY, str(tmp_path), str(lease_s)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert standby.stdout.readline() == "claiming\n"
+        for _ in range(1_000):  # pause it until the pause lands inside its claim
+            os.kill(standby.pid, signal.SIGSTOP)
+            while not _stopped(standby.pid):
+                time.sleep(0.0005)
+            if standby.pid in _claim_lock_holders(tmp_path):
+                break
+            os.kill(standby.pid, signal.SIGCONT)
+            time.sleep(0.001)  # let it run on into its next claim
+        else:
+            pytest.fail("the standby was never paused inside its claim")
+
+        def heartbeat() -> float:
+            return json.loads((tmp_path / CLAIM).read_text())["heartbeat"]
+
+        wait_until(lambda: time.time() - heartbeat() > lease_s + 0.5, 10, "the heartbeat to age")
+        resumed = time.time()
+        os.kill(standby.pid, signal.SIGCONT)
+        wait_until(
+            lambda: heartbeat() > resumed or active.lost.is_set(), 10, "the active's renewal"
+        )
+        assert not active.lost.is_set(), f"the resumed standby took over: {active.lost_to}"
+        assert json.loads((tmp_path / CLAIM).read_text())["holder"] == active.holder
+    finally:
+        standby.kill()
+        standby.wait()
+        active.release()
+
+
+def test_an_instance_stops_while_a_paused_process_holds_the_claim_lock(tmp_path, monkeypatch):
+    """Releasing the lease (at stop) and a start give up on the claim's lock after
+    CLAIM_WAIT_S instead of hanging for as long as the process that holds it is paused; the
+    released instance drops its lock, so its death is seen at once."""
+    import fcntl
+    import threading
+
+    from onceflow.connectors import checkpoint as checkpoint_module
+
+    monkeypatch.setattr(checkpoint_module, "CLAIM_WAIT_S", 0.5)
+    active = Lease(CheckpointDir(tmp_path), "app")
+    active.acquire()
+    with open(tmp_path / f".{CLAIM}.lock", "w") as paused:  # as a paused process holds it
+        fcntl.flock(paused, fcntl.LOCK_EX)
+        with pytest.raises(CheckpointClaimError, match="paused or hung"):
+            Lease(CheckpointDir(tmp_path), "app").acquire()
+        releasing = threading.Thread(target=active.release, daemon=True)
+        releasing.start()
+        releasing.join(10)
+        assert not releasing.is_alive(), "release() waited for the claim's lock"
+        assert active._lock_fd is None
