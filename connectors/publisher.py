@@ -33,6 +33,7 @@ from .errors import (
 )
 from .markers import Marker, acknowledged_ends, ensure_marker_topic, last_marker, legacy_marker
 from .offsets import TP
+from .records import HEADER_ERROR
 from .stalls import reported_if_stalled
 
 log = logging.getLogger("onceflow.sink")
@@ -308,7 +309,7 @@ class EpochPublisher:
         )
         if self.dead_letter_topic is None:
             raise ValueError(reason + "; configure a dead-letter topic to route such records")
-        error_header = [("onceflow.error", reason.encode())]
+        error_header = [(HEADER_ERROR, reason.encode())]
         _produce(producer, self.dead_letter_topic, None, key, None, (headers or []) + error_header)
 
     def abort_open_transaction(self) -> None:

@@ -4,6 +4,10 @@
 - What the sink publishes: (topic, partition, key, value, headers) per record.
 - What the router stages for the sink: the same, plus the input record's position
   (`topic/partition/offset`) and why it left the query (a dead-letter reason, or "late").
+- The headers onceflow adds: an input record's position (`onceflow.source`) on every
+  record published from it unchanged (pass-through, dead letters, late records), which is
+  what `onceflow verify` matches inputs by; why a dead letter is one (`onceflow.error`);
+  and `onceflow.late` on late records.
 """
 
 from __future__ import annotations
@@ -24,6 +28,33 @@ SOURCE_SCHEMA = (
 )
 OUTPUT_COLUMNS = ("topic", "partition", "key", "value", "headers")
 LATE_REASON = "late"
+HEADER_SOURCE = "onceflow.source"
+HEADER_ERROR = "onceflow.error"
+HEADER_LATE = "onceflow.late"
+POSITION_SEPARATOR = "/"  # topic names hold no "/" (Kafka allows [A-Za-z0-9._-])
+
+
+def position(topic: str, partition: int, offset: int) -> str:
+    """An input record's position, as HEADER_SOURCE and the staged `source` column hold it."""
+    return f"{topic}{POSITION_SEPARATOR}{partition}{POSITION_SEPARATOR}{offset}"
+
+
+def parse_position(text: str | None) -> tuple[str, int, int] | None:
+    """(topic, partition, offset) of a `position`; None for anything else."""
+    parts = (text or "").rsplit(POSITION_SEPARATOR, 2)
+    if len(parts) != 3 or not parts[0]:
+        return None
+    partition, offset = _natural(parts[1]), _natural(parts[2])
+    if partition is None or offset is None:
+        return None
+    return parts[0], partition, offset
+
+
+def _natural(text: str | None) -> int | None:
+    """`text` as a non-negative integer, or None (`isdigit` alone takes "²")."""
+    if not (text and text.isascii() and text.isdigit() and len(text) <= 20):
+        return None
+    return int(text)
 
 
 def headers_type(pa):

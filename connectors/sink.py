@@ -28,7 +28,7 @@ from .checkpoint import CheckpointDir
 from .markers import LEGACY_MARKER_TOPIC, marker_topic_for
 from .options import RESERVED_PRODUCER_KEYS, OptionError, get_positive_int, kafka_conf
 from .publisher import DEFAULT_TRANSACTION_TIMEOUT_S, Epoch, publisher_for
-from .records import LATE_REASON, OUTPUT_COLUMNS, headers_type
+from .records import LATE_REASON, OUTPUT_COLUMNS, headers_type, parse_position
 
 log = logging.getLogger("onceflow.sink")
 
@@ -243,43 +243,30 @@ def offset_ranges(sources: Iterable[str], listed: int = LISTED_RUNS) -> str:
     offsets as runs while `listed` runs last ("clicks/0 offsets 7-9, 12"), else as a count
     and span ("clicks/1: 40 records between offsets 3 and 977"). Other positions are shown
     as they are: this runs inside the epoch's transaction, and must not fail it."""
-    offsets: dict[str, list[int]] = defaultdict(list)
+    offsets: dict[tuple[str, int], list[int]] = defaultdict(list)
     others: list[str] = []
     for source in sources:
-        partition, _, offset = str(source).rpartition("/")
-        number = _number(offset)
-        if partition and number is not None:
-            offsets[partition].append(number)
-        else:
+        parsed = parse_position(source if isinstance(source, str) else None)
+        if parsed is None:
             others.append(str(source))
+        else:
+            offsets[parsed[:2]].append(parsed[2])
     parts: list[str] = []
-    for partition in sorted(offsets, key=_partition_order):
-        found = sorted(set(offsets[partition]))
+    for topic, partition in sorted(offsets):
+        found = sorted(set(offsets[topic, partition]))
         runs = _runs(found)
+        name = f"{topic}/{partition}"
         if len(runs) <= listed:
             listed -= len(runs)
             text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-            parts.append(f"{partition} offsets {text}")
+            parts.append(f"{name} offsets {text}")
         else:
             span = f"between offsets {found[0]} and {found[-1]}"
-            parts.append(f"{partition}: {len(found)} records {span}")
+            parts.append(f"{name}: {len(found)} records {span}")
     parts += others[:LISTED_RUNS]
     if len(others) > LISTED_RUNS:
         parts.append(f"and {len(others) - LISTED_RUNS} more")
     return "; ".join(parts)
-
-
-def _partition_order(partition: str) -> tuple[str, int]:
-    topic, _, text = partition.rpartition("/")
-    number = _number(text)
-    return (topic, number) if number is not None else (partition, -1)
-
-
-def _number(text: str) -> int | None:
-    """`text` as a non-negative integer, or None (`isdigit` alone takes "²")."""
-    if not (text.isascii() and text.isdigit() and len(text) <= 20):
-        return None
-    return int(text)
 
 
 def _runs(offsets: list[int]) -> list[tuple[int, int]]:

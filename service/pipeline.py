@@ -24,6 +24,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import StructField, StructType, TimestampType
 
+from onceflow.connectors.records import HEADER_SOURCE, POSITION_SEPARATOR
 from onceflow.connectors.registry import client_for
 from onceflow.connectors.sink import ForeachBatchSink
 
@@ -38,7 +39,7 @@ from .config import (
     load_avro_schema,
 )
 from .formats import avro_field_types
-from .routing import CORRUPT, EVENT_TIME, HEADER_SOURCE, SOURCE_META, RoutePlan, route
+from .routing import CORRUPT, EVENT_TIME, SOURCE_META, RoutePlan, route
 from .table_lookup import can_look_up_by, looked_up
 
 log = logging.getLogger("onceflow.pipeline")
@@ -197,8 +198,9 @@ def transformed(routed: DataFrame, config: PipelineConfig) -> DataFrame:
 
 
 def passed_through(routed: DataFrame) -> DataFrame:
-    """Input records unchanged, with their source position in an `onceflow.source` header."""
-    position = F.concat_ws("/", "_topic", "_partition", "_offset").cast("binary")
+    """Input records unchanged, with their source position in an `onceflow.source` header
+    (`records.position`, built by Spark)."""
+    position = F.concat_ws(POSITION_SEPARATOR, "_topic", "_partition", "_offset").cast("binary")
     source_header = F.struct(F.lit(HEADER_SOURCE).alias("key"), position.alias("value"))
     headers = F.concat("_headers", F.array(source_header))
     return routed.select(

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 
 from onceflow.connectors import staging
 from onceflow.connectors.checkpoint import CheckpointDir
-from onceflow.connectors.records import LATE_REASON, side_record
+from onceflow.connectors.records import (
+    HEADER_ERROR,
+    HEADER_LATE,
+    HEADER_SOURCE,
+    LATE_REASON,
+    position,
+    side_record,
+)
 from onceflow.connectors.registry import RegistrySettings
 
 from . import formats
@@ -32,9 +39,6 @@ from .config import AVRO_FORMATS, SOURCE_META
 
 CORRUPT = "_corrupt_record"
 
-HEADER_ERROR = "onceflow.error"
-HEADER_SOURCE = "onceflow.source"
-HEADER_LATE = "onceflow.late"
 EVENT_TIME = "event-time"  # RoutePlan.window_type of a sql input with an event time
 
 
@@ -217,7 +221,7 @@ def _side_record(plan: RoutePlan, batch, row: int, reason: str | None) -> dict:
     def get(column: str):
         return batch.column(column)[row].as_py()
 
-    position = f"{get('_topic')}/{get('_partition')}/{get('_offset')}"
+    source = position(get("_topic"), get("_partition"), get("_offset"))
     headers = list(get("_headers") or []) if "_headers" in plan.meta else []
     if reason is not None:
         topic = plan.dead_letter_topic
@@ -225,6 +229,6 @@ def _side_record(plan: RoutePlan, batch, row: int, reason: str | None) -> dict:
     else:
         topic = plan.late_topic
         headers += [{"key": HEADER_LATE, "value": b"true"}]
-    headers += [{"key": HEADER_SOURCE, "value": position.encode()}]
+    headers += [{"key": HEADER_SOURCE, "value": source.encode()}]
     # topic None: no topic configured; the sink counts and logs the record
-    return side_record(topic, get("_key"), get("_value"), headers, position, reason or LATE_REASON)
+    return side_record(topic, get("_key"), get("_value"), headers, source, reason or LATE_REASON)

@@ -33,6 +33,8 @@ from typing import Any
 import pytest
 import yaml
 
+from onceflow.connectors.records import HEADER_ERROR, HEADER_SOURCE
+
 from .local_kafka import KAFKA_VERSION, LocalKafka
 from .local_registry import API_PATH, REGISTRY_VERSION, LocalRegistry, environment
 
@@ -299,7 +301,7 @@ def _published(config, bootstrap: str) -> Published:
     if sink.dead_letter_topic:
         for m in read_committed(bootstrap, sink.dead_letter_topic):
             headers = {k: (v or b"").decode() for k, v in m.headers() or []}
-            reason, source = headers.get("onceflow.error", ""), headers.get("onceflow.source", "")
+            reason, source = headers.get(HEADER_ERROR, ""), headers.get(HEADER_SOURCE, "")
             dead.append(DeadLetter(m.value(), reason, source))
     late = []
     if sink.late_topic:

@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from onceflow.connectors import offsets, registry
 from onceflow.connectors.checkpoint import BatchPlan, CheckpointDir
 from onceflow.connectors.errors import OnceflowError, OptionError
+from onceflow.connectors.records import HEADER_SOURCE, parse_position, position
 from onceflow.connectors.registry import RegistrySettings
 from onceflow.connectors.topics import read_committed
 
 from .config import AVRO_FORMATS
 from .formats import parsed_avro_schema, parsed_with_references
-from .routing import HEADER_SOURCE
 
 if TYPE_CHECKING:
     from onceflow.config import PipelineConfig
@@ -608,7 +608,7 @@ def verify(
         return _verify_windows(kafka, inputs, output, dead_letters, late, windows)
     report = Report()
     input_positions = [
-        f"{m.topic()}/{m.partition()}/{m.offset()}"
+        position(m.topic(), m.partition(), m.offset())
         for t in inputs
         for m in read_committed(kafka, t)
     ]
@@ -669,8 +669,8 @@ def _verify_windows(
     events = []
     ends: dict[tuple[str, int], list[int]] = {}
     for m in records:
-        position = f"{m.topic()}/{m.partition()}/{m.offset()}"
-        if position in side:
+        source = position(m.topic(), m.partition(), m.offset())
+        if source in side:
             continue
         tp = (m.topic(), m.partition())
         if tp not in ends:
@@ -684,7 +684,7 @@ def _verify_windows(
             if dead_letters is None:  # the sink only counted and logged it
                 report.dead_letters += 1
             else:
-                report.unaccounted_examples.append(f"{position}: {read}, yet no dead letter")
+                report.unaccounted_examples.append(f"{source}: {read}, yet no dead letter")
             continue
         key, time_ms = read
         if late is None and spec.last_window_end(time_ms) <= watermarks[batch]:
@@ -731,12 +731,10 @@ def _batches_published(
             "out: let the app finish it (`onceflow run --available-now PIPELINE`), then verify"
         )
     before = committed[-1] if committed else Batch(-1, {}, 0)
-    for position in side:
-        topic, partition, offset = (position or "//").rsplit("/", 2)
-        if partition.isdigit() and offset.isdigit():
-            tp = (topic, int(partition))
-            if before.ends.get(tp, 0) <= int(offset) < planned.ends.get(tp, 0):
-                return [*committed, planned]
+    for topic, partition, offset in filter(None, map(parse_position, side)):
+        tp = (topic, partition)
+        if before.ends.get(tp, 0) <= offset < planned.ends.get(tp, 0):
+            return [*committed, planned]
     if any(before.watermark_ms < w.end <= planned.watermark_ms for w in published):
         return [*committed, planned]
     return committed

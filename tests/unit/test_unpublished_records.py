@@ -31,7 +31,7 @@ def test_offset_ranges_name_every_partition_in_order_and_count_what_is_not_liste
 def test_offset_ranges_show_positions_of_another_form_as_they_are():
     odd = ["lookup:users", None, "t/0/\u00b2", "t/0/" + "9" * 5000]  # "²".isdigit()
     listing = offset_ranges(["clicks/0/1", "t/\u00b2/5", *odd])
-    assert listing == "; ".join(["clicks/0 offsets 1", "t/\u00b2 offsets 5", *map(str, odd)])
+    assert listing == "; ".join(["clicks/0 offsets 1", "t/\u00b2/5", *map(str, odd)])
 
 
 def test_records_of_no_topic_are_left_out_and_warned_about_once_per_kind_and_pass(caplog):
@@ -68,3 +68,11 @@ def test_a_position_staged_twice_is_left_out_once():
     records = _Records([_staged([twice]), _staged([twice])], batch_id=1)
     assert list(records) == []
     assert records.unpublished == {"late": [("clicks/0/3", LATE_REASON)]}
+
+
+def test_a_position_reads_back_as_it_was_written_and_nothing_else_reads_as_one():
+    from onceflow.connectors.records import parse_position, position
+
+    assert parse_position(position("clicks.v2", 3, 17)) == ("clicks.v2", 3, 17)
+    for odd in ["lookup:users", None, "", "t/0/\u00b2", "t//5", "/0/1", "t/0/-1", "t/0"]:
+        assert parse_position(odd) is None, odd
