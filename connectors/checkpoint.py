@@ -161,6 +161,11 @@ class CheckpointDir:
             lost[key] = lost.get(key, 0) + offsets
             write_atomically(self.path / SOURCE_STATS, json.dumps(lost).encode())
 
+    def read_claim(self) -> dict:
+        """The claim as last written, read without its lock (it is replaced by a rename, so
+        it is read whole or not at all)."""
+        return self._read_json(CLAIM) or {}
+
     @contextlib.contextmanager
     def claim(self) -> Iterator[dict]:
         """The app's claim on the checkpoint, read and (if changed) written back under a
@@ -202,8 +207,8 @@ def _lock_within(fd: int, path: Path, wait_s: float) -> None:
             if time.monotonic() > deadline:
                 raise CheckpointClaimError(
                     f"another process has held {path} for over {wait_s:.0f} s: an instance of "
-                    f"the app that is paused or hung inside its claim (`fuser {path}` names "
-                    "it). Resume or stop it, then try again."
+                    f"the app that is paused or hung inside its claim, or a disk that slow "
+                    f"(`fuser {path}` names the process). Resume or stop it, then try again."
                 ) from None
             time.sleep(0.01)
 

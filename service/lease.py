@@ -63,12 +63,19 @@ class Lease:
         self.lost_to: dict = {}
 
     def acquire(self) -> None:
-        """Take the lease, or raise CheckpointClaimError naming its live holder."""
-        # The holder's heartbeat is judged as of now, before this instance may hold the
-        # claim's lock: paused while it holds it, this instance keeps the holder from
-        # renewing, and must not then find the heartbeat it held back expired.
+        """Take the lease, or raise CheckpointClaimError naming its live holder.
+
+        While this instance holds the claim's lock, the holder cannot renew. Paused there
+        (SIGSTOP, a frozen container) past LEASE_S, it would find a live holder's heartbeat
+        expired. So:
+        1. The heartbeat is judged as of now, before the lock is asked for.
+        2. The lease is judged first from the claim as last written, without the lock: a
+           standby that polls beside a live holder never takes the lock at all.
+        3. Only a lease that looks free is judged again, and taken, under the lock.
+        """
         asked_at = time.time()
         try:
+            self._claim(self.checkpoint.read_claim(), asked_at)
             with self.checkpoint.claim() as claim:
                 self._claim(claim, asked_at)
         except BaseException:
@@ -102,7 +109,7 @@ class Lease:
         kernel and this instance could take that lock (of the same file): its process is
         gone. Else (another host's, or a holder that could not lock: its predecessor, paused,
         still held the lock) only its heartbeat tells."""
-        if asked_at - heartbeat > LEASE_S:
+        if min(asked_at, time.time()) - heartbeat > LEASE_S:  # a clock set back: as of now
             return True
         mine = self.holder["lock"]
         return mine is not None and mine["boot"] is not None and held.get("lock") == mine
@@ -161,6 +168,8 @@ class Lease:
         """Renew the heartbeat, and take the lock if a paused predecessor held it when this
         instance took over; or find the lease lost to another instance."""
         with self.checkpoint.claim() as claim:
+            if self._stop.is_set():  # released meanwhile: its lock is gone, record nothing
+                return
             if (claim.get("holder") or {}).get("instance") != self.holder["instance"]:
                 self.lost_to = claim.get("holder") or {}
                 self._drop_lock()
