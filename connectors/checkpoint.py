@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,8 +220,9 @@ def write_atomically(path: Path, data: bytes) -> None:
     The data and the rename are fsynced: after a host crash the file is not empty or torn.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as out:
+    # Unique: two hosts' containers sharing a volume may both run onceflow as pid 1.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    with open(tmp, "xb") as out:
         out.write(data)
         out.flush()
         os.fsync(out.fileno())

@@ -76,6 +76,9 @@ class Lease:
         asked_at = time.time()
         try:
             self._claim(self.checkpoint.read_claim(), asked_at)
+            # Its lock was only probed: held outside the claim's lock, it could keep a
+            # lockless holder (one that took over from a paused one) from taking it.
+            self._drop_lock()
             with self.checkpoint.claim() as claim:
                 self._claim(claim, asked_at)
         except BaseException:

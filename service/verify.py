@@ -658,7 +658,8 @@ def _verify_windows(
     for m in out:
         result = read_result(m.value(), spec.count_field)
         if isinstance(result, str):
-            report.wrong.append(f"output {m.topic()}/{m.partition()}/{m.offset()}: {result}")
+            where = position(m.topic(), m.partition(), m.offset())
+            report.wrong.append(f"output {where}: {result}")
         else:
             published.append(result)
 
@@ -741,7 +742,7 @@ def _batches_published(
 
 
 def _source(message) -> str | None:
-    for key, value in message.headers() or []:
-        if key == HEADER_SOURCE:
-            return value.decode()
-    return None
+    """The position in the record's last `onceflow.source` header: onceflow appends its own
+    after the input record's headers, which may hold an upstream pipeline's."""
+    found = [value for key, value in message.headers() or [] if key == HEADER_SOURCE]
+    return found[-1].decode(errors="replace") if found and found[-1] is not None else None

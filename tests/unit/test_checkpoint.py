@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from onceflow.connectors.checkpoint import LOCAL_FILE_MANAGER, CheckpointDir
 
 MANAGER = "spark.sql.streaming.checkpointFileManagerClass"
@@ -50,3 +52,35 @@ def test_two_inputs_stage_their_side_records_apart(tmp_path):
         staging.stage(checkpoint, plan, source, 0, [record])
     tables = staging.staged_tables(checkpoint, plan)
     assert sorted(t.column("source").to_pylist()[0] for t in tables) == ["a/0/7", "p/0/7"]
+
+
+def test_writers_with_one_pid_replace_a_file_whole(tmp_path):
+    """Two hosts' containers sharing a checkpoint volume may both run onceflow as pid 1; their
+    writes of one file (threads of this process here: one pid) must not share a temporary
+    file, which would fail a rename or leave a torn file that reads as no claim at all."""
+    import threading
+
+    from onceflow.connectors.checkpoint import write_atomically
+
+    target = tmp_path / "claim.json"
+    contents = [json.dumps({"writer": w, "pad": "x" * (w + 1) * 50_000}).encode() for w in (0, 1)]
+    errors: list[BaseException] = []
+    torn: list[bytes] = []
+
+    def write(data: bytes) -> None:
+        try:
+            for _ in range(100):
+                write_atomically(target, data)
+                read = target.read_bytes()
+                if read not in contents:
+                    torn.append(read[:40])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    writers = [threading.Thread(target=write, args=(data,)) for data in contents]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert not errors and not torn, (errors[:1], torn[:1])
+    assert not [p.name for p in tmp_path.iterdir() if p.name != "claim.json"]

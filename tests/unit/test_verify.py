@@ -450,3 +450,23 @@ def test_window_spec_refuses_what_verify_cannot_check(aggregations, changes, pat
     with pytest.raises(ConfigError) as error:
         WindowSpec.from_config(parse(raw))
     assert error.value.path == path
+
+
+def test_a_pass_through_of_records_that_already_carry_a_source_header_counts_its_own(
+    monkeypatch,
+):
+    """Chained pipelines: an input record published by an upstream pipeline carries that
+    pipeline's `onceflow.source`; this one appends its own after the record's headers, and
+    the last one is what names this pipeline's input. A header without a value is none."""
+    upstream = [("onceflow.source", b"up/0/7")]
+    data = {
+        "in": [Message("in", 0, 0, b"a", upstream), Message("in", 0, 1, b"b")],
+        "out": [
+            Message("out", 0, 0, b"a", [*upstream, ("onceflow.source", b"in/0/0")]),
+            Message("out", 0, 1, b"b", [("onceflow.source", b"in/0/1")]),
+        ],
+    }
+    monkeypatch.setattr(verifying, "read_committed", lambda _bootstrap, topic: data[topic])
+    report = verify("b:9092", ["in"], "out")
+    assert report.ok and (report.counted, report.missing) == (2, []), report.summary()
+    assert verifying._source(Message("dlq", 0, 0, b"", [("onceflow.source", None)])) is None
