@@ -164,8 +164,24 @@ class CheckpointDir:
 
     def read_claim(self) -> dict:
         """The claim as last written, read without its lock (it is replaced by a rename, so
-        it is read whole or not at all)."""
-        return self._read_json(CLAIM) or {}
+        it is read whole or not at all); {} when there is none yet.
+
+        An unreadable claim raises CheckpointClaimError: read as no claim, it would let a
+        start take a live holder's lease, and tell the holder that it lost it."""
+        path = self.path / CLAIM
+        try:
+            claim = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            claim = exc
+        if not isinstance(claim, dict):
+            raise CheckpointClaimError(
+                f"cannot read the checkpoint's claim {path} ({claim!r:.200}). It is tried again "
+                "while the app runs (a network file system's passing error); if it stays "
+                "unreadable and no instance of the app runs, delete it, then start again."
+            )
+        return claim
 
     @contextlib.contextmanager
     def claim(self) -> Iterator[dict]:
@@ -173,7 +189,7 @@ class CheckpointDir:
         lock, so that two instances starting at once cannot both take it. Raises
         CheckpointClaimError when another process holds that lock for over CLAIM_WAIT_S."""
         with self._locked(CLAIM, CLAIM_WAIT_S):
-            claim = self._read_json(CLAIM) or {}
+            claim = self.read_claim()
             before = dict(claim)
             yield claim
             if claim != before:

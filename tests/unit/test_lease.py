@@ -445,3 +445,25 @@ def test_a_paused_process_holding_the_claims_lock_hangs_no_start_and_no_stop(
     successor.acquire()  # at once: the lease's lock is free, though its heartbeat is fresh
     assert json.loads((tmp_path / CLAIM).read_text())["holder"] == successor.holder
     successor.release()
+
+
+def test_an_unreadable_claim_is_neither_free_for_a_start_nor_lost_for_its_holder(tmp_path):
+    """An unreadable claim (NFS answers ESTALE for a file another host replaced; garbage)
+    is not "no holder": read as none, a start would take a live holder's lease, and the
+    holder's renewal would find its lease lost and stop the pipeline. Both wait instead."""
+    claim_file = tmp_path / CLAIM
+    holder = Lease(CheckpointDir(tmp_path), "app")
+    holder.holder["host"] = "elsewhere"  # its lock proves nothing: only the claim tells
+    holder.acquire()
+    written = claim_file.read_bytes()
+    claim_file.write_bytes(b'{"app_id": "app", "hol')
+    with pytest.raises(CheckpointClaimError, match="cannot read the checkpoint's claim"):
+        Lease(CheckpointDir(tmp_path), "app").acquire()
+    with pytest.raises(CheckpointClaimError, match="cannot read the checkpoint's claim"):
+        holder.renew_once()
+    assert not holder.lost.is_set()
+    claim_file.write_bytes(written)
+    holder.renew_once()
+    assert not holder.lost.is_set()
+    assert json.loads(claim_file.read_text())["holder"] == holder.holder
+    holder.release()
