@@ -186,8 +186,10 @@ class CheckpointDir:
     @contextlib.contextmanager
     def claim(self) -> Iterator[dict]:
         """The app's claim on the checkpoint, read and (if changed) written back under a
-        lock, so that two instances starting at once cannot both take it. Raises
-        CheckpointClaimError when another process holds that lock for over CLAIM_WAIT_S."""
+        lock, so that two instances starting at once cannot both take it (across hosts only
+        where the file system shares flock: not NFS mounted with `nolock` or `local_lock`).
+        Raises CheckpointClaimError when another process holds that lock for over
+        CLAIM_WAIT_S."""
         with self._locked(CLAIM, CLAIM_WAIT_S):
             claim = self.read_claim()
             before = dict(claim)
