@@ -97,7 +97,7 @@ class Lease:
         held = claim.get("holder")
         self._take_lock()
         if held and not self._is_free(held, claim.get("heartbeat", 0.0), asked_at):
-            self._drop_lock()  # inside the claim: the next claimer must find it free
+            self._drop_lock()  # the next claimer must find it free
             age = time.time() - claim.get("heartbeat", 0.0)
             raise CheckpointClaimError(
                 f"checkpoint {self.checkpoint.path} is held by another instance of app "
