@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -223,16 +224,22 @@ def wait_for(config: PipelineConfig, stop: threading.Event) -> Lease | None:
     """A standby's wait: the lease, as soon as the active instance's ends (released, expired,
     or its process gone from this kernel: any container of this host); None when `stop` is
     set first."""
-    announced = False
+    announced = ""
     while not stop.is_set():
         try:
             return acquire(config)
-        except CheckpointClaimError as held:
-            if not announced:
-                log.info("standby: waiting to take over (%s)", str(held).split(". ")[0])
-                announced = True
+        except CheckpointClaimError as refused:
+            why = str(refused).split(". ")[0]
+            if _kind(why) != _kind(announced):  # once per reason, not per poll
+                log.info("standby: waiting to take over (%s)", why)
+                announced = why
         stop.wait(STANDBY_POLL_S)
     return None
+
+
+def _kind(refusal: str) -> str:
+    """A refusal without its numbers (a heartbeat's age, the seconds left)."""
+    return re.sub(r"\d+", "#", refusal)
 
 
 def acquire(config: PipelineConfig) -> Lease | None:

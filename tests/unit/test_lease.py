@@ -467,3 +467,33 @@ def test_an_unreadable_claim_is_neither_free_for_a_start_nor_lost_for_its_holder
     assert not holder.lost.is_set()
     assert json.loads(claim_file.read_text())["holder"] == holder.holder
     holder.release()
+
+
+def test_a_waiting_standby_says_why_once_per_reason(tmp_path, caplog):
+    """Not once per poll (4 a second), and not only the first reason: a claim that turns
+    unreadable while the standby waits is news to its operator."""
+    import threading
+
+    from onceflow.lease import wait_for
+    from tests.helpers import wait_until
+
+    hold(tmp_path)
+    stop = threading.Event()
+    standby = threading.Thread(target=wait_for, args=(config_for(tmp_path), stop))
+    with caplog.at_level("INFO", logger="onceflow.run"):
+        standby.start()
+        try:
+
+            def said() -> list[str]:
+                return [r.getMessage() for r in caplog.records if "standby: wait" in r.message]
+
+            wait_until(lambda: len(said()) == 1, 10, "the standby's first reason")
+            time.sleep(1.2)  # several polls, each refused for the same reason
+            assert len(said()) == 1, said()
+            (tmp_path / CLAIM).write_bytes(b"{torn")
+            wait_until(lambda: len(said()) == 2, 10, "the standby's second reason")
+            assert "held by another instance" in said()[0]
+            assert "cannot read the checkpoint's claim" in said()[1]
+        finally:
+            stop.set()
+            standby.join(5)
