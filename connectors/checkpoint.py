@@ -151,16 +151,21 @@ class CheckpointDir:
     def write_sink_stats(self, stats: dict) -> None:
         write_atomically(self.path / SINK_STATS, json.dumps(stats).encode())
 
-    def source_stats(self) -> dict[str, int]:
-        return self._read_json(SOURCE_STATS) or {}
+    def source_stats(self) -> dict[tuple[str, int], int]:
+        """Offsets counted as lost per (topic, partition), kept as {"topic/partition": n}."""
+        lost = {}
+        for key, offsets in (self._read_json(SOURCE_STATS) or {}).items():
+            topic, _, partition = key.rpartition("/")
+            lost[(topic, int(partition))] = offsets
+        return lost
 
     def add_source_data_loss(self, topic: str, partition: int, offsets: int) -> None:
         """Count `offsets` lost on topic/partition; tasks of one batch may add at once."""
         with self._locked(SOURCE_STATS):
             lost = self.source_stats()
-            key = f"{topic}/{partition}"
-            lost[key] = lost.get(key, 0) + offsets
-            write_atomically(self.path / SOURCE_STATS, json.dumps(lost).encode())
+            lost[(topic, partition)] = lost.get((topic, partition), 0) + offsets
+            kept = {f"{t}/{p}": n for (t, p), n in lost.items()}
+            write_atomically(self.path / SOURCE_STATS, json.dumps(kept).encode())
 
     def read_claim(self) -> dict:
         """The claim as last written, read without its lock (it is replaced by a rename, so

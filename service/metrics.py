@@ -168,10 +168,9 @@ class PipelineListener(StreamingQueryListener):
             m.input_bytes.labels(app).inc(total - self.bytes_seen)
             self.bytes_seen = total
         lost = self.checkpoint.source_stats()
-        for position, count in lost.items():
-            topic, _, partition = position.rpartition("/")
-            seen = self.data_loss_seen.get(position, 0)
-            m.data_loss.labels(app, topic, partition).inc(count - seen)
+        for (topic, partition), count in lost.items():
+            seen = self.data_loss_seen.get((topic, partition), 0)
+            m.data_loss.labels(app, topic, str(partition)).inc(count - seen)
         self.data_loss_seen = lost
         durations = progress.durationMs or {}
         plan_ms = sum(durations.get(k, 0) for k in ("latestOffset", "queryPlanning", "walCommit"))

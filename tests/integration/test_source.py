@@ -282,7 +282,7 @@ def test_retention_loss_skips_ahead_when_allowed_and_counts_the_lost_offsets(
     )
     rows, _ = drain(reader, checkpoint)
     assert records_of(rows) == {0: [(10 + i, f"b{i}".encode()) for i in range(5, 10)]}
-    assert CheckpointDir(checkpoint).source_stats() == {f"{topic}/0": 5}  # for the metrics endpoint
+    assert CheckpointDir(checkpoint).source_stats() == {(topic, 0): 5}  # for the metrics endpoint
 
 
 def test_unknown_topic_fails_fast_naming_the_option(spark, kafka_bootstrap, tmp_path):
@@ -379,7 +379,7 @@ def test_a_recreated_topic_refilled_past_the_checkpoint_is_read_whole_when_allow
 
     rows, _ = drain(source_reader(spark, kafka_bootstrap, topic, **options), checkpoint)
     assert records_of(rows) == {0: [(i, f"new{i}".encode()) for i in range(300)]}
-    assert CheckpointDir(checkpoint).source_stats() == {f"{topic}/0": 100}
+    assert CheckpointDir(checkpoint).source_stats() == {(topic, 0): 100}
 
 
 def test_a_recreated_topic_restarts_from_earliest_when_allowed(
@@ -393,7 +393,7 @@ def test_a_recreated_topic_restarts_from_earliest_when_allowed(
     rows, _ = drain(source_reader(spark, kafka_bootstrap, topic, **options), checkpoint)
     # Every new record exactly once, in order; the rewind (500 offsets) is counted.
     assert records_of(rows) == {0: [(i, f"new{i}".encode()) for i in range(300)]}
-    assert CheckpointDir(checkpoint).source_stats() == {f"{topic}/0": 500}
+    assert CheckpointDir(checkpoint).source_stats() == {(topic, 0): 500}
     produce(kafka_bootstrap, topic, ((None, f"later{i}".encode(), 0) for i in range(5)))
     rows, _ = drain(source_reader(spark, kafka_bootstrap, topic, **options), checkpoint)
     assert records_of(rows) == {0: [(300 + i, f"later{i}".encode()) for i in range(5)]}
@@ -437,7 +437,7 @@ def test_a_batch_replayed_after_its_topic_was_recreated_reads_nothing_of_the_new
     assert reader.partitions(start, end) == []  # a replay again: counted once, further below
     restart = reader.latestOffset(end, ReadAllAvailable())  # N+1 restarts the partition at 0
     assert offsets.positions(restart) == {(topic, 0): 0}
-    assert checkpoint.source_stats() == {f"{topic}/0": 50}
+    assert checkpoint.source_stats() == {(topic, 0): 50}
     assert reader.partitions(end, restart) == []
     (task,) = reader.partitions(restart, reader.latestOffset(restart, ReadAllAvailable()))
     assert task.ranges == (OffsetRange(topic, 0, 0, 80),)  # every new record, once
@@ -462,13 +462,13 @@ def test_a_read_never_delivers_an_offset_outside_its_range(
 
     batches = list(read_range(conf, OffsetRange(topic, 0, 50, 60), False, checkpoint))
     assert sum(b.num_rows for b in batches) == 0
-    assert checkpoint.source_stats() == {f"{topic}/0": 10}
+    assert checkpoint.source_stats() == {(topic, 0): 10}
 
     _delete_before(kafka_bootstrap, topic, 0, 15)
     batches = list(read_range(conf, OffsetRange(topic, 0, 10, 18), False, checkpoint))
     offsets = [o for b in batches for o in b.column("offset").to_pylist()]
     assert offsets == [15, 16, 17]
-    assert checkpoint.source_stats() == {f"{topic}/0": 15}
+    assert checkpoint.source_stats() == {(topic, 0): 15}
 
     with pytest.raises(Exception, match=r"offset 10 of the batch's range \[10, 18\) is gone"):
         list(read_range(conf, OffsetRange(topic, 0, 10, 18), True, checkpoint))

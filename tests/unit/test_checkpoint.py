@@ -84,3 +84,13 @@ def test_writers_with_one_pid_replace_a_file_whole(tmp_path):
         writer.join()
     assert not errors and not torn, (errors[:1], torn[:1])
     assert not [p.name for p in tmp_path.iterdir() if p.name != "claim.json"]
+
+
+def test_lost_offsets_add_up_per_partition_in_the_format_earlier_builds_wrote(tmp_path):
+    checkpoint = CheckpointDir(str(tmp_path))
+    (tmp_path / "onceflow-source-stats.json").write_text(json.dumps({"a.b-c/0": 5}))
+    checkpoint.add_source_data_loss("a.b-c", 0, 2)
+    checkpoint.add_source_data_loss("a.b-c", 1, 3)
+    assert checkpoint.source_stats() == {("a.b-c", 0): 7, ("a.b-c", 1): 3}
+    kept = json.loads((tmp_path / "onceflow-source-stats.json").read_text())
+    assert kept == {"a.b-c/0": 7, "a.b-c/1": 3}

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import generate_latest
 
+from onceflow.connectors.checkpoint import CheckpointDir
 from onceflow.metrics import PipelineListener, PipelineMetrics
 
 ENDS = {"in": {"0": 120, "1": 80}}
@@ -58,3 +59,17 @@ def test_lag_is_the_latest_offset_past_the_epochs_end(tmp_path):
     text = scrape(metrics)
     assert 'onceflow_source_lag_records{app="lag",partition="0",topic="in"} 30.0' in text
     assert 'onceflow_source_lag_records{app="lag",partition="1",topic="in"} 0.0' in text
+
+
+def test_offsets_lost_before_and_during_this_process_count_only_once(tmp_path):
+    checkpoint = CheckpointDir(str(tmp_path / "ck"))
+    checkpoint.add_source_data_loss("in", 1, 4)  # counted by the process before this one
+    metrics = PipelineMetrics("lost")
+    listener = PipelineListener(metrics, str(tmp_path / "ck"))
+    checkpoint.add_source_data_loss("in", 1, 6)
+    checkpoint.add_source_data_loss("in", 0, 2)
+    listener.onQueryProgress(SimpleNamespace(progress=progress("None")))
+    text = scrape(metrics)
+    lost = 'onceflow_source_data_loss_offsets_total{app="lost",partition="%d",topic="in"} %.1f'
+    assert lost % (1, 6) in text
+    assert lost % (0, 2) in text
