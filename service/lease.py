@@ -8,7 +8,8 @@ it was released, when its heartbeat is older than LEASE_S, or when its holder lo
 local file system of this kernel (the same boot: any container of this host) and its lock
 is free: the kernel drops a dead process' locks, whatever its host name, pid or pid
 namespace. Any other holder (another host's, one on a network file system) is free only
-when its heartbeat expires.
+when its heartbeat expires: for a start, by the wall clock; for a standby, which watches it,
+by its own monotonic clock (HeartbeatWatch).
 """
 
 from __future__ import annotations
@@ -39,12 +40,35 @@ LOCAL_FILE_SYSTEMS = frozenset(
 )
 
 
-class Lease:
-    """This instance's hold on a checkpoint; `release` it on exit."""
+class HeartbeatWatch:
+    """A standby's record of the holder's heartbeat: which one it saw, since when on its own
+    monotonic clock. A heartbeat that stood unchanged for LEASE_S of that clock has missed
+    three renewals whatever either host's wall clock says, so a standby whose clock is
+    stepped forward, or runs ahead of the holder's host, takes no live holder's lease."""
 
-    def __init__(self, checkpoint: CheckpointDir, app_id: str) -> None:
+    def __init__(self) -> None:
+        self._seen: tuple | None = None
+        self._since = 0.0
+
+    def unchanged_for(self, held: dict, heartbeat: float, asked_mono: float) -> float:
+        """Seconds the heartbeat had stood at `asked_mono` (taken before the claim was read,
+        as Lease.acquire explains)."""
+        seen = (held.get("instance"), heartbeat)
+        if seen != self._seen:
+            self._seen, self._since = seen, time.monotonic()
+        return asked_mono - self._since
+
+
+class Lease:
+    """This instance's hold on a checkpoint; `release` it on exit. A standby passes the
+    HeartbeatWatch it keeps across its polls."""
+
+    def __init__(
+        self, checkpoint: CheckpointDir, app_id: str, watch: HeartbeatWatch | None = None
+    ) -> None:
         self.checkpoint = checkpoint
         self.app_id = app_id
+        self.watch = watch
         self.holder = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -74,20 +98,20 @@ class Lease:
            standby that polls beside a live holder never takes the lock at all.
         3. Only a lease that looks free is judged again, and taken, under the lock.
         """
-        asked_at = time.time()
+        asked_at, asked_mono = time.time(), time.monotonic()
         try:
-            self._claim(self.checkpoint.read_claim(), asked_at)
+            self._claim(self.checkpoint.read_claim(), asked_at, asked_mono)
             # Its lock was only probed: held outside the claim's lock, it could keep a
             # lockless holder (one that took over from a paused one) from taking it.
             self._drop_lock()
             with self.checkpoint.claim() as claim:
-                self._claim(claim, asked_at)
+                self._claim(claim, asked_at, asked_mono)
         except BaseException:
             self._drop_lock()  # a lock kept without the lease would keep out every other
             raise
         threading.Thread(target=self._renew, name="onceflow-lease", daemon=True).start()
 
-    def _claim(self, claim: dict, asked_at: float) -> None:
+    def _claim(self, claim: dict, asked_at: float, asked_mono: float) -> None:
         owner = claim.get("app_id", self.app_id)
         if owner != self.app_id:
             raise ConfigError(
@@ -97,7 +121,7 @@ class Lease:
             )
         held = claim.get("holder")
         self._take_lock()
-        if held and not self._is_free(held, claim.get("heartbeat", 0.0), asked_at):
+        if held and not self._is_free(held, claim.get("heartbeat", 0.0), asked_at, asked_mono):
             self._drop_lock()  # the next claimer must find it free
             age = time.time() - claim.get("heartbeat", 0.0)
             raise CheckpointClaimError(
@@ -108,15 +132,17 @@ class Lease:
             )
         claim.update(app_id=self.app_id, holder=self.holder, heartbeat=time.time())
 
-    def _is_free(self, held: dict, heartbeat: float, asked_at: float) -> bool:
-        """Free when its heartbeat had expired at `asked_at`, or when it held its lock on this
-        kernel and this instance could take that lock (of the same file): its process is
-        gone. Else (another host's, or a holder that could not lock: its predecessor, paused,
-        still held the lock) only its heartbeat tells."""
-        if min(asked_at, time.time()) - heartbeat > LEASE_S:  # a clock set back: as of now
-            return True
+    def _is_free(self, held: dict, heartbeat: float, asked_at: float, asked_mono: float) -> bool:
+        """Free when it held its lock on this kernel and this instance could take that lock
+        (of the same file): its process is gone. Else (another host's, or a holder that could
+        not lock: its predecessor, paused, still held the lock) when its heartbeat had expired
+        when this instance asked: as the standby's watch saw it stand, or by the wall clock."""
         mine = self.holder["lock"]
-        return mine is not None and mine["boot"] is not None and held.get("lock") == mine
+        if mine is not None and mine["boot"] is not None and held.get("lock") == mine:
+            return True
+        if self.watch is not None:
+            return self.watch.unchanged_for(held, heartbeat, asked_mono) > LEASE_S
+        return min(asked_at, time.time()) - heartbeat > LEASE_S  # a clock set back: as of now
 
     def _take_lock(self) -> None:
         """Lock the lease's file if no live process holds it; record what was locked. A
@@ -224,10 +250,10 @@ def wait_for(config: PipelineConfig, stop: threading.Event) -> Lease | None:
     """A standby's wait: the lease, as soon as the active instance's ends (released, expired,
     or its process gone from this kernel: any container of this host); None when `stop` is
     set first."""
-    announced = ""
+    announced, watch = "", HeartbeatWatch()
     while not stop.is_set():
         try:
-            return acquire(config)
+            return acquire(config, watch)
         except CheckpointClaimError as refused:
             why = str(refused).split(". ")[0]
             if _kind(why) != _kind(announced):  # once per reason, not per poll
@@ -242,13 +268,13 @@ def _kind(refusal: str) -> str:
     return re.sub(r"\d+", "#", refusal)
 
 
-def acquire(config: PipelineConfig) -> Lease | None:
+def acquire(config: PipelineConfig, watch: HeartbeatWatch | None = None) -> Lease | None:
     """Claim the pipeline's checkpoint for this instance (None: remote storage, which Spark
     guards; the sink's markers still check the checkpoint's identity)."""
     checkpoint = CheckpointDir(config.checkpoint_location)
     if not checkpoint.is_local:
         return None
-    lease = Lease(checkpoint, config.app_id)
+    lease = Lease(checkpoint, config.app_id, watch)
     try:
         checkpoint.path.mkdir(parents=True, exist_ok=True)
         lease.acquire()

@@ -322,10 +322,11 @@ from onceflow import lease
 from onceflow.connectors.checkpoint import CheckpointDir
 from onceflow.connectors.errors import CheckpointClaimError
 lease.LEASE_S = float(sys.argv[2])
+watch = lease.HeartbeatWatch() if sys.argv[3] == "standby" else None  # else a start, polled
 print("claiming", flush=True)
 while True:
     try:
-        lease.Lease(CheckpointDir(sys.argv[1]), "app").acquire()
+        lease.Lease(CheckpointDir(sys.argv[1]), "app", watch).acquire()
     except CheckpointClaimError:
         time.sleep(0.02)
         continue
@@ -357,11 +358,13 @@ def _pause(process: subprocess.Popen) -> None:
         time.sleep(0.0005)
 
 
-def test_a_standby_paused_anywhere_takes_no_lease_from_a_live_holder(tmp_path, monkeypatch):
-    """A standby beside a live holder never holds the claim's lock: paused (SIGSTOP, a frozen
-    container) while it held it, it would keep the holder from renewing and, resumed past
-    LEASE_S, take the lease from a live instance. Pauses at 300 random points find it outside
-    the lock each time; then one longer than the lease takes nothing."""
+@pytest.mark.parametrize("judged", ["standby", "start"])
+def test_a_standby_paused_anywhere_takes_no_lease_from_a_live_holder(tmp_path, monkeypatch, judged):
+    """A standby (or a start, tried again and again) beside a live holder never holds the
+    claim's lock: paused (SIGSTOP, a frozen container) while it held it, it would keep the
+    holder from renewing and, resumed past LEASE_S, take the lease from a live instance.
+    Pauses at 300 random points find it outside the lock each time; then one longer than the
+    lease takes nothing."""
     import signal
 
     from onceflow import lease as lease_module
@@ -376,7 +379,7 @@ def test_a_standby_paused_anywhere_takes_no_lease_from_a_live_holder(tmp_path, m
     claim = json.loads((tmp_path / CLAIM).read_text())
     (tmp_path / CLAIM).write_text(json.dumps({**claim, "padding": "x" * 4_000_000}))
     standby = subprocess.Popen(
-        [sys.executable, "-c", STANDBY, str(tmp_path), str(lease_s)],
+        [sys.executable, "-c", STANDBY, str(tmp_path), str(lease_s), judged],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -497,3 +500,58 @@ def test_a_waiting_standby_says_why_once_per_reason(tmp_path, caplog):
         finally:
             stop.set()
             standby.join(5)
+
+
+def test_a_standby_whose_clock_runs_ahead_takes_over_only_once_the_renewals_stop(
+    tmp_path, monkeypatch
+):
+    """A holder on another host renews its heartbeat every LEASE_S / 3, and the standby's wall
+    clock runs three leases ahead of it (a clock stepped forward, or a host's clock ahead):
+    judged by the wall clock, every heartbeat looks expired. The standby takes nothing while
+    the renewals go on, and takes over once they have stopped for LEASE_S."""
+    import threading
+    from types import SimpleNamespace
+
+    from onceflow import lease as lease_module
+    from onceflow.lease import wait_for
+    from tests.helpers import wait_until
+
+    lease_s = 1.5
+    monkeypatch.setattr(lease_module, "LEASE_S", lease_s)
+    ahead = SimpleNamespace(time=lambda: time.time() + 3 * lease_s, monotonic=time.monotonic)
+    monkeypatch.setattr(lease_module, "time", ahead)
+    hold(tmp_path)
+    renewing, last_renewal = threading.Event(), [time.monotonic()]
+    renewing.set()
+
+    def renew() -> None:
+        while renewing.is_set():
+            claim = json.loads((tmp_path / CLAIM).read_text())
+            (tmp_path / f"{CLAIM}.new").write_text(json.dumps({**claim, "heartbeat": time.time()}))
+            os.replace(tmp_path / f"{CLAIM}.new", tmp_path / CLAIM)
+            last_renewal[0] = time.monotonic()
+            time.sleep(lease_s / 3)
+
+    taken: list = []
+    stop = threading.Event()
+    holder = threading.Thread(target=renew)
+    standby = threading.Thread(
+        target=lambda: taken.append((wait_for(config_for(tmp_path), stop), time.monotonic()))
+    )
+    holder.start()
+    standby.start()
+    try:
+        standby.join(3 * lease_s)
+        assert not taken, "the standby took the lease from a holder that renews it"
+        renewing.clear()
+        holder.join()
+        wait_until(lambda: taken, 4 * lease_s, "the standby to take over")
+        lease, taken_at = taken[0]
+        assert lease is not None
+        assert taken_at - last_renewal[0] >= lease_s
+    finally:
+        renewing.clear()
+        stop.set()
+        standby.join(5)
+        if taken and taken[0][0] is not None:
+            taken[0][0].release()
