@@ -33,10 +33,14 @@ def stage(
     checkpoint: CheckpointDir, plan: BatchPlan, source: str, task: int, rows: list[dict]
 ) -> None:
     """Write one task's side records of input `source` durably and atomically (the inputs of
-    a join are read in stages of their own, whose task numbers overlap)."""
+    a join are read in stages of their own, whose task numbers overlap). A task without
+    any removes what an earlier attempt of it staged, which its results now replace."""
     import pyarrow as pa
 
     path = checkpoint.staging_dir(plan) / f"part-{source}-{task:05d}.arrow"
+    if not rows:
+        path.unlink(missing_ok=True)
+        return
     table = pa.Table.from_pylist(rows, schema=staged_schema(pa))
     buffer = pa.BufferOutputStream()
     with pa.ipc.new_file(buffer, table.schema) as writer:

@@ -32,6 +32,17 @@ AVRO_TYPES = {
     "boolean": ("BOOLEAN", "bool_"),
     "bytes": ("BINARY", "binary"),
 }
+# Avro's timestamp logical types (a long) -> microseconds per unit: they are read as Spark
+# TIMESTAMPs (microseconds, UTC; a local timestamp is taken as UTC). Every other logical
+# type is read as its underlying type: a date as INT days, a uuid as STRING, a decimal as
+# its BINARY two's-complement bytes.
+AVRO_TIMESTAMP_MICROS = {
+    "timestamp-millis": 1000,
+    "timestamp-micros": 1,
+    "local-timestamp-millis": 1000,
+    "local-timestamp-micros": 1,
+}
+INT64_RANGE = range(-(2**63), 2**63)
 
 
 # How much of a decoder's message a dead letter's reason keeps (fastavro's can hold whole
@@ -92,6 +103,7 @@ def decode_avro(
     from fastavro import schemaless_reader
 
     reader = parsed_avro_schema(schema_json)
+    timestamps = avro_timestamp_fields(json.loads(schema_json or "{}"))
     client = registry_wire.client_for(registry) if registry is not None else None
     budget = registry_wire.UnknownIdBudget()
     writers: dict[int, dict] = {}  # parsed writer schemas of this batch, by id
@@ -105,11 +117,27 @@ def decode_avro(
             record, reason = _read_avro(schemaless_reader, value, reader, None, "schema")
         else:
             record, reason = _read_framed(client, budget, writers, value, reader)
+        if record:
+            reason = timestamps_as_micros(record, timestamps)
+            record = None if reason else record
         reasons.append(reason)
         for f in fields:
             columns[f].append(record.get(f) if record else None)
     types = avro_arrow_types(json.loads(schema_json or "{}"))
     return {f: pa.array(columns[f], types[f]) for f in fields}, reasons
+
+
+def timestamps_as_micros(record: dict, timestamps: dict[str, int]) -> str | None:
+    """Turn the record's timestamp fields (read as their longs) into microseconds, in place;
+    why not, for a value no timestamp can hold."""
+    for name, micros_per_unit in timestamps.items():
+        value = record.get(name)
+        if value is None:
+            continue
+        if value * micros_per_unit not in INT64_RANGE:
+            return f"field {name!r} is {value}, too large for a timestamp"
+        record[name] = value * micros_per_unit
+    return None
 
 
 def _read_framed(
@@ -178,8 +206,8 @@ def parsed_with_references(schemas_json: str) -> dict:
         named: dict = {}
         *referenced, root = json.loads(schemas_json)
         for schema in referenced:
-            parse_schema(schema, named_schemas=named)
-        return parse_schema(root, named_schemas=named)
+            parse_schema(without_logical_types(schema), named_schemas=named)
+        return parse_schema(without_logical_types(root), named_schemas=named)
     except Exception as exc:  # fastavro's kinds for a schema it cannot parse
         raise WriterSchemaError(f"the writer schema does not parse: {exc}") from None
 
@@ -188,7 +216,18 @@ def parsed_with_references(schemas_json: str) -> dict:
 def parsed_avro_schema(schema_json: str | None) -> dict:
     from fastavro import parse_schema
 
-    return parse_schema(json.loads(schema_json or "{}"))
+    return parse_schema(without_logical_types(json.loads(schema_json or "{}")))
+
+
+def without_logical_types(schema):
+    """The schema with its logical types left out: fastavro then reads each as the type
+    under it (a timestamp as its long) instead of as a Python datetime, date, UUID or
+    Decimal, which the Arrow types of `avro_arrow_types` do not take."""
+    if isinstance(schema, list):
+        return [without_logical_types(s) for s in schema]
+    if isinstance(schema, dict):
+        return {k: without_logical_types(v) for k, v in schema.items() if k != "logicalType"}
+    return schema
 
 
 def avro_field_types(schema: dict) -> dict[str, str]:
@@ -200,6 +239,9 @@ def avro_field_types(schema: dict) -> dict[str, str]:
             kinds = [k for k in kind if k != "null"]
             kind = kinds[0] if len(kinds) == 1 else None
         if isinstance(kind, dict):
+            if kind.get("logicalType") in AVRO_TIMESTAMP_MICROS:
+                result[field["name"]] = "TIMESTAMP"
+                continue
             kind = kind.get("type") if kind.get("logicalType") else None
         if kind not in AVRO_TYPES:
             raise ValueError(
@@ -214,7 +256,19 @@ def avro_arrow_types(schema: dict) -> dict:
     import pyarrow as pa
 
     arrow = {sql: getattr(pa, name)() for sql, name in AVRO_TYPES.values()}
+    arrow["TIMESTAMP"] = pa.timestamp("us", tz="UTC")
     return {name: arrow[sql] for name, sql in avro_field_types(schema).items()}
+
+
+def avro_timestamp_fields(schema: dict) -> dict[str, int]:
+    """Microseconds per unit of each top-level field of a timestamp logical type."""
+    found = {}
+    for field in schema.get("fields", []):
+        kinds = field["type"] if isinstance(field["type"], list) else [field["type"]]
+        for kind in kinds:
+            if isinstance(kind, dict) and kind.get("logicalType") in AVRO_TIMESTAMP_MICROS:
+                found[field["name"]] = AVRO_TIMESTAMP_MICROS[kind["logicalType"]]
+    return found
 
 
 # -- encoding results ----------------------------------------------------------------------

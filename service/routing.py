@@ -40,6 +40,8 @@ from .config import AVRO_FORMATS, SOURCE_META
 CORRUPT = "_corrupt_record"
 
 EVENT_TIME = "event-time"  # RoutePlan.window_type of a sql input with an event time
+# The event times Spark's timestamps hold, 0001-01-01 to 9999-12-31 UTC, in epoch ms.
+EVENT_TIME_MS = (-62_135_596_800_000, 253_402_300_799_999)
 
 
 @dataclass(frozen=True)
@@ -93,18 +95,27 @@ def route(plan: RoutePlan, input_bytes, batches: Iterator) -> Iterator:
                 pc.sum(pc.binary_length(records.column(c))).as_py() for c in ("_key", "_value")
             ]
             input_bytes.add(sum(s or 0 for s in sizes))
-        fields, reasons = _decode(plan, records)
-        event_ms = _event_time_ms(plan, records, fields)
-        _explain_missing(plan, fields, event_ms, reasons)
-        dead = np.array([r is not None for r in reasons], dtype=bool)
-        late = ~dead & _late(plan, event_ms, watermark_ms)
+        fields, event_ms, dead, late, reasons = classify(plan, records, watermark_ms)
         for row in np.flatnonzero(dead | late):
             side.append(_side_record(plan, records, int(row), reasons[row]))
         keep = ~(dead | late)
         if keep.any():
             yield _output_batch(plan, records, fields, event_ms, keep, pa)
-    if side:
-        staging.stage(checkpoint, batch, plan.source, context.partitionId(), side)
+    # Also when there is none: an earlier attempt of this task may have staged some.
+    staging.stage(checkpoint, batch, plan.source, context.partitionId(), side)
+
+
+def classify(plan: RoutePlan, records, watermark_ms: int):
+    """(decoded fields, event time in ms, dead, late, reasons) of a batch of input records:
+    `dead` and `late` are masks, `reasons` says why each dead one is."""
+    import numpy as np
+
+    fields, reasons = _decode(plan, records)
+    event_ms = _event_time_ms(plan, records, fields, reasons)
+    _explain_missing(plan, fields, event_ms, reasons)
+    dead = np.array([r is not None for r in reasons], dtype=bool)
+    late = ~dead & _late(plan, event_ms, watermark_ms)
+    return fields, event_ms, dead, late, reasons
 
 
 # -- decoding ------------------------------------------------------------------------------
@@ -160,7 +171,7 @@ def _explain_missing(plan: RoutePlan, fields: dict, event_ms, reasons: list) -> 
         )
         for row in np.flatnonzero(np.isnan(event_ms)):
             if reasons[row] is None:
-                reasons[row] = f"{what} is missing or null"
+                reasons[row] = f"{what} is missing or null"  # unreadable ones have a reason
     for field in plan.required:
         for row in np.flatnonzero(fields[field].is_null().to_numpy(zero_copy_only=False)):
             if reasons[row] is None:
@@ -170,19 +181,45 @@ def _explain_missing(plan: RoutePlan, fields: dict, event_ms, reasons: list) -> 
 # -- event time and lateness ---------------------------------------------------------------
 
 
-def _event_time_ms(plan: RoutePlan, batch, fields: dict):
-    """Event time per record in epoch ms, as float64 with NaN where it is missing."""
+def _event_time_ms(plan: RoutePlan, batch, fields: dict, reasons: list):
+    """Event time per record in epoch ms, as float64 with NaN where it is missing or cannot
+    be one; for each record whose event time is there but cannot be one (not a number or a
+    time, or outside the years Spark's timestamps hold), `reasons` says why."""
+    import numpy as np
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     if plan.event_time_field is None:
-        column, scale = batch.column("_timestamp"), 1000.0  # microseconds
+        column, what = batch.column("_timestamp"), "the Kafka timestamp"
     else:
         column = fields[plan.event_time_field]
-        scale = 1000.0 if pa.types.is_timestamp(column.type) else 1.0
-    if pa.types.is_timestamp(column.type):
-        column = column.cast(pa.int64())
-    return pc.divide(column.cast(pa.float64()), scale).to_numpy(zero_copy_only=False)
+        what = f"event time field {plan.event_time_field!r}"
+    kind = column.type
+    if pa.types.is_timestamp(kind):
+        ms_per_unit = {"s": 1000.0, "ms": 1.0, "us": 1e-3, "ns": 1e-6}[kind.unit]
+        counts = column.cast(pa.int64())
+    elif pa.types.is_date32(kind):
+        ms_per_unit, counts = 86_400_000.0, column.cast(pa.int32())
+    elif pa.types.is_date64(kind):
+        ms_per_unit, counts = 1.0, column.cast(pa.int64())
+    elif pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind):
+        ms_per_unit, counts = 1.0, column
+    else:
+        for row in np.flatnonzero(column.is_valid().to_numpy(zero_copy_only=False)):
+            if reasons[row] is None:
+                reasons[row] = f"{what} is of type {kind}, not a number of ms or a timestamp"
+        return np.full(len(column), np.nan)
+    event_ms = counts.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False) * ms_per_unit
+    low, high = EVENT_TIME_MS
+    with np.errstate(invalid="ignore"):
+        outside = ~np.isnan(event_ms) & ~((event_ms >= low) & (event_ms <= high))
+    uses_event_time = plan.event_time_field or plan.window_type
+    for row in np.flatnonzero(outside) if uses_event_time else ():
+        if reasons[row] is None:
+            value = repr(counts[int(row)].as_py())  # a datetime would not hold it either
+            value += f" {kind.unit} after 1970" if pa.types.is_timestamp(kind) else ""
+            reasons[row] = f"{what} is {value}, outside the years 1-9999 of event times"
+    event_ms[outside] = np.nan
+    return event_ms
 
 
 def _late(plan: RoutePlan, event_ms, watermark_ms: int):

@@ -34,7 +34,7 @@ from bisect import bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -46,12 +46,19 @@ from onceflow.connectors.registry import RegistrySettings
 from onceflow.connectors.topics import read_committed
 
 from .config import AVRO_FORMATS
-from .formats import parsed_avro_schema, parsed_with_references
+from .formats import (
+    avro_timestamp_fields,
+    parsed_avro_schema,
+    parsed_with_references,
+    timestamps_as_micros,
+)
+from .routing import EVENT_TIME_MS
 
 if TYPE_CHECKING:
     from onceflow.config import PipelineConfig
 
 EXAMPLES = 5  # problems listed per kind in the summary
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 INTEGRAL = {"BIGINT", "LONG", "INT", "INTEGER", "SMALLINT", "TINYINT", "SHORT", "BYTE"}
 
 
@@ -484,6 +491,16 @@ def read_event(spec: WindowSpec, value: bytes | None, timestamp_ms: int) -> tupl
         record = _read_avro(spec, value)
         if isinstance(record, str):
             return record
+        timestamps = avro_timestamp_fields(spec.avro_schema)
+        too_large = timestamps_as_micros(record, timestamps)
+        if too_large:
+            return too_large
+        for name in timestamps:
+            if record.get(name) is not None:
+                try:
+                    record[name] = EPOCH + timedelta(microseconds=record[name])
+                except OverflowError:
+                    return f"field {name!r} is {record[name]} µs, outside the years 1-9999"
     else:
         try:
             record = json.loads(value)
@@ -514,8 +531,17 @@ def read_event(spec: WindowSpec, value: bytes | None, timestamp_ms: int) -> tupl
 
 def _time_ms(value: Any, ddl_type: str | None) -> int | str:
     """Event time in epoch ms, as the router computes it, or what is wrong with it."""
-    if value is None:
+    time_ms = _read_time_ms(value, ddl_type)
+    if isinstance(time_ms, int) and not EVENT_TIME_MS[0] <= time_ms <= EVENT_TIME_MS[1]:
+        return f"is {value!r}, outside the years 1-9999 of event times"
+    return time_ms
+
+
+def _read_time_ms(value: Any, ddl_type: str | None) -> int | str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
         return "is missing or null"
+    if isinstance(value, float) and math.isinf(value):
+        return f"is {value!r}, outside the years 1-9999 of event times"
     if isinstance(value, datetime):  # an Avro timestamp logical type
         return math.floor(value.timestamp() * 1000)
     if isinstance(value, bool):
