@@ -52,10 +52,20 @@ class WriterSchemaError(LookupError):
 class UnknownIdBudget:
     """What one batch of records may spend on ids the registry does not know. Values that
     only look framed (plain Avro starting with a 0 byte: a null, a 0, an empty string) carry
-    a different "id" each; without a budget each would cost seconds of asking."""
+    a different "id" each; without a budget each would cost seconds of asking.
+
+    Once UNKNOWN_IDS_ASKED ids of the batch were found unknown, every id the batch has not
+    read yet is refused, even one this process has cached: what a batch decodes must not
+    depend on what the process had cached, since a replayed epoch whose results were
+    published already must rebuild the same state."""
 
     grace_s: float = field(default_factory=lambda: UNKNOWN_ID_GRACE_S)
-    asks: int = field(default_factory=lambda: UNKNOWN_IDS_ASKED)
+    unknown: set[int] = field(default_factory=set)  # ids of this batch the registry lacks
+    known: set[int] = field(default_factory=set)  # ids this batch has read
+
+    @property
+    def spent(self) -> bool:
+        return len(self.unknown) >= UNKNOWN_IDS_ASKED
 
 
 class _Retriable(Exception):
@@ -132,28 +142,29 @@ class RegistryClient:
         the ones that use it); WriterSchemaError if there is no Avro schema with this id.
         `budget` bounds what ids the registry does not know may cost (one per call if None)."""
         key = (self._base, schema_id)
-        with self._lock:
-            cached = self._by_id.get(key)
-            unknown = self._unknown_until.get(key, 0.0) > time.monotonic()
-        if cached is not None:
-            return cached
         budget = budget or UnknownIdBudget()
         missing = f"schema id {schema_id} is not in the registry at {self.settings.public_url}"
-        if unknown:
-            raise WriterSchemaError(missing)
-        if budget.asks <= 0:
+        if budget.spent and schema_id not in budget.known:
             raise WriterSchemaError(
-                f"{missing} (not asked: more than {UNKNOWN_IDS_ASKED} ids of this batch are "
-                "not in the registry; are its values in the Confluent wire format?)"
+                f"{missing} (not asked: {UNKNOWN_IDS_ASKED} ids of this batch are not in the "
+                "registry; are its values in the Confluent wire format?)"
             )
-        answer = self._schema_answer(schema_id, budget)
-        if answer is None:
-            budget.asks -= 1
-            self._remember_unknown(key)
-            raise WriterSchemaError(missing)
-        schemas = [*self._referenced(answer, set()), self._avro(answer, f"id {schema_id}")]
         with self._lock:
-            self._by_id[key] = schemas
+            schemas = self._by_id.get(key)
+            unknown = self._unknown_until.get(key, 0.0) > time.monotonic()
+        if schemas is None and unknown:
+            budget.unknown.add(schema_id)
+            raise WriterSchemaError(missing)
+        if schemas is None:
+            answer = self._schema_answer(schema_id, budget)
+            if answer is None:
+                budget.unknown.add(schema_id)
+                self._remember_unknown(key)
+                raise WriterSchemaError(missing)
+            schemas = [*self._referenced(answer, set()), self._avro(answer, f"id {schema_id}")]
+            with self._lock:
+                self._by_id[key] = schemas
+        budget.known.add(schema_id)
         return schemas
 
     def _schema_answer(self, schema_id: int, budget: UnknownIdBudget) -> dict | None:

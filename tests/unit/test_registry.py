@@ -390,3 +390,26 @@ def test_a_restart_discards_what_a_failed_attempt_staged_before_the_replay(
     RegistryClient._unknown_until.clear()
     assert [b.num_rows for b in route(plan, None, iter([batch]))] == [1]
     assert staged() == []
+
+
+def test_a_batch_decodes_alike_whether_or_not_the_process_had_its_ids_cached(server):
+    """An epoch whose results were published and which is replayed (a crash before Spark's
+    commit log) rebuilds its state from what the batch decodes: a valid record that came after
+    20 unknown ids decoded in the process that had its id cached and was a dead letter in a
+    fresh one (lost from the window, or counted there and published as a dead letter)."""
+    server.schemas[7] = CLICK_V1
+    settings = RegistrySettings(url=server.url)
+    valid = registry.frame(7, avro(CLICK_V1, {"user": "a", "ts": 1}))
+    garbage = [registry.frame(1000 + i, b"\x02a") for i in range(registry.UNKNOWN_IDS_ASKED)]
+    batch = [valid, *garbage, valid, registry.frame(8, b"")]
+    schema = json.dumps(CLICK_V1)
+    RegistryClient(settings).schema_by_id(7)  # cached by an earlier batch of this process
+    _, warm = decode_avro(schema, ("user",), [*garbage, valid], settings)
+    RegistryClient._by_id.clear()  # a fresh process, the replay's
+    RegistryClient._unknown_until.clear()
+    _, cold = decode_avro(schema, ("user",), [*garbage, valid], settings)
+    assert warm == cold
+    assert "not asked" in cold[-1]
+    _, reasons = decode_avro(schema, ("user",), batch, settings)
+    assert reasons[0] is None and reasons[-2] is None, "an id the batch read stays readable"
+    assert "not asked" in reasons[-1]
