@@ -456,8 +456,9 @@ def read_range(
 
     Done when the consumer *position* reaches `r.end`: transaction markers and aborted
     records leave offset gaps, so waiting for a record at `end - 1` could wait forever.
-    Offsets of the range that are gone (deleted while the batch ran) are data loss: they
-    fail the task, or (failOnDataLoss=false) are counted and skipped, never replaced.
+    Offsets of the range that are gone (deleted while the batch ran, or cut off a log that
+    was truncated) are data loss: they fail the task, or (failOnDataLoss=false) are counted
+    and skipped, never replaced.
     """
     import pyarrow as pa
     from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -482,6 +483,9 @@ def read_range(
                     if position <= msg.offset() < r.end:
                         columns.add(msg)
                         position = msg.offset() + 1
+                elif err.code() == KafkaError._AUTO_OFFSET_RESET and _log_truncated(err):
+                    position = _truncated(r, position, err, fail_on_data_loss, checkpoint)
+                    break
                 elif err.code() == KafkaError._AUTO_OFFSET_RESET:
                     out_of_range_since = out_of_range_since or time.monotonic()
                     position = _out_of_range(
@@ -568,6 +572,8 @@ def _out_of_range(
       leader election, while the batch ran);
     - it did not answer: it is asked again; a leader that never answers fails the read as
       stalled (READ_STALL_TIMEOUT_S), never as data loss.
+    A truncated log, which librdkafka reports with the same error code, never comes here
+    (see `_log_truncated`): its leader may hold the offsets again, but not the same records.
     """
     from confluent_kafka import KafkaException, TopicPartition
 
@@ -612,6 +618,49 @@ def _out_of_range(
     time.sleep(BEHIND_LEADER_RETRY_S)  # a stale broker may answer the next fetch too
     consumer.assign([TopicPartition(r.topic, r.partition, position)])
     return position
+
+
+def _log_truncated(err) -> bool:
+    """Whether an _AUTO_OFFSET_RESET error reports a truncated log, not an offset out of range.
+
+    With auto.offset.reset=error librdkafka reports both with that one code: its
+    rd_kafka_offset_reset (src/rdkafka_offset.c) gives the application the code, an offset
+    and the string "<reason>: <err2str(cause)>", followed by " (broker <id>)" when a broker
+    answered. The cause is RD_KAFKA_RESP_ERR__LOG_TRUNCATION for both truncations that
+    KIP-320's offset validation reports (the leader's log of the read position's leader epoch
+    ends below it; the leader knows no such epoch) and OFFSET_OUT_OF_RANGE for a fetch's
+    answer. The error carries no leader epoch, and its offset is OFFSET_INVALID for one of the
+    truncations but the read position for the other, so the cause's description is the one
+    signal: it is taken from the linked librdkafka itself (KafkaError(code).str() is its
+    rd_kafka_err2str), never from the reason's wording, which is free text."""
+    from confluent_kafka import KafkaError
+
+    return KafkaError(KafkaError._LOG_TRUNCATION).str() in (err.str() or "")
+
+
+def _truncated(r: OffsetRange, position: int, err, fail: bool, checkpoint) -> int:
+    """librdkafka's offset validation found the partition's log truncated where the read was,
+    at `position` (an unclean leader election, a broker that lost its disk, a recreated
+    topic): the records of the range from there on are gone, though the leader may hold the
+    offsets again with other records, which the read must not take for them. Fail, or count
+    the range's unread offsets and end the range. Returns the new position."""
+    message = (
+        f"data loss on topic {r.topic} partition {r.partition}: its leader's log was truncated "
+        f"while the batch read offsets [{r.start}, {r.end}), at offset {position} (librdkafka: "
+        f"{err.str()}); offsets [{position}, {r.end}) of the batch are gone, and those the "
+        "leader holds again hold other records. An unclean leader election, a broker that "
+        "lost its data or a recreated topic does this: check the topic's "
+        "unclean.leader.election.enable and min.insync.replicas."
+    )
+    if fail:
+        raise DataLossError(
+            message + " Set failOnDataLoss=false to skip the rest of the range and continue, "
+            "or restore the input topic."
+        )
+    log.warning("%s Skipping to %d (failOnDataLoss=false).", message, r.end)
+    if checkpoint is not None:
+        checkpoint.add_source_data_loss(r.topic, r.partition, r.end - position)
+    return r.end
 
 
 def _skip_lost(

@@ -1,0 +1,166 @@
+"""How a read task (source.read_range) answers what its consumer reports, with a fake consumer
+that replays librdkafka's events: records, and the errors it reports as _AUTO_OFFSET_RESET
+under auto.offset.reset=error (the range consumer's setting)."""
+
+import pytest
+from confluent_kafka import KafkaError
+
+from onceflow.connectors import kafka_clients, source
+from onceflow.connectors.checkpoint import CheckpointDir
+from onceflow.connectors.errors import DataLossError
+from onceflow.connectors.source import OffsetRange, read_range
+
+TOPIC = "t"
+
+
+class _Message:
+    def __init__(self, offset: int, err: KafkaError | None = None) -> None:
+        self._offset, self._err = offset, err
+
+    def error(self):
+        return self._err
+
+    def offset(self):
+        return self._offset
+
+    def key(self):
+        return b"k"
+
+    def value(self):
+        return f"v{self._offset}".encode()
+
+    def topic(self):
+        return TOPIC
+
+    def partition(self):
+        return 0
+
+    def timestamp(self):
+        return (1, 1)
+
+    def headers(self):
+        return None
+
+
+def _reset_error(offset: int, reason: str, cause: int) -> _Message:
+    """A consumer error as librdkafka's rd_kafka_offset_reset reports it with
+    auto.offset.reset=error: code _AUTO_OFFSET_RESET, the reset's position as its offset, and
+    "<reason>: <err2str(cause)> (broker <id>)" as its string (src/rdkafka_offset.c)."""
+    text = f"{reason}: {KafkaError(cause).str()} (broker 1)"
+    return _Message(offset, KafkaError(KafkaError._AUTO_OFFSET_RESET, text))
+
+
+# librdkafka's two reports of a truncated log (KIP-320 offset validation,
+# src/rdkafka_offset.c rd_kafka_offset_validate_op_cb): the leader's log of the epoch of the
+# read position ends below it, or the leader knows no such epoch.
+TRUNCATED = _reset_error(
+    -1001,  # the "Reset to INVALID" branch reports OFFSET_INVALID as the offset
+    "Partition log truncation detected at offset 100 (leader epoch 2): broker end offset is "
+    "60 (offset leader epoch 2). Reset to INVALID.",
+    KafkaError._LOG_TRUNCATION,
+)
+NO_EPOCH = _reset_error(
+    100,
+    "No epoch found less or equal to offset 100 (leader epoch 2): broker end offset is -1 "
+    "(offset leader epoch -1). Reset using configured policy.",
+    KafkaError._LOG_TRUNCATION,
+)
+# A fetch answered OFFSET_OUT_OF_RANGE (src/rdkafka_fetcher.c): a stale leader, or gone offsets.
+OUT_OF_RANGE = _reset_error(
+    100,
+    "fetch failed due to requested offset not available on the broker",
+    KafkaError.OFFSET_OUT_OF_RANGE,
+)
+
+
+class FakeConsumer:
+    """Delivers offsets 0..99 of the range, then `event`, then (once assigned anew) whatever
+    the log holds from the assigned offset up to `log_end`; the leader's watermarks are
+    `watermarks`."""
+
+    def __init__(self, event: _Message, log_end: int = 200, watermarks=(0, 200)) -> None:
+        self.event, self.log_end, self.watermarks = event, log_end, watermarks
+        self.calls = 0
+        self.pos = 0
+        self.assigned: list[int] = []
+
+    def assign(self, tps):
+        self.pos = tps[0].offset
+        self.assigned.append(self.pos)
+
+    def unassign(self):
+        pass
+
+    def consume(self, n, timeout):
+        self.calls += 1
+        if self.calls == 1:
+            self.pos = 100
+            return [_Message(o) for o in range(100)]
+        if self.calls == 2:
+            return [self.event]
+        out = [_Message(o) for o in range(self.pos, self.log_end)]
+        self.pos = max(self.pos, self.log_end)
+        return out
+
+    def position(self, tps):
+        class Position:
+            offset = self.pos
+
+        return [Position()]
+
+    def list_topics(self, *args, **kwargs):
+        pass
+
+    def get_watermark_offsets(self, tp, timeout):
+        return self.watermarks
+
+
+@pytest.fixture
+def consumer_of(monkeypatch):
+    monkeypatch.setattr(source, "BEHIND_LEADER_RETRY_S", 0.0)
+
+    def use(consumer: FakeConsumer) -> FakeConsumer:
+        monkeypatch.setattr(kafka_clients, "range_consumer", lambda conf: consumer)
+        return consumer
+
+    return use
+
+
+def _offsets(batches) -> list[int]:
+    return [o for b in batches for o in b.column("offset").to_pylist()]
+
+
+@pytest.mark.parametrize("event", [TRUNCATED, NO_EPOCH], ids=["truncated", "no-epoch"])
+def test_a_log_truncation_librdkafka_detects_fails_the_read_as_data_loss(consumer_of, event):
+    # Offsets 0..99 read; an unclean leader election leaves the new leader's log ending at
+    # 60, and producers append new records at 60..199: the leader's log holds offset 100
+    # again, but not the record the batch planned to read there.
+    consumer = consumer_of(FakeConsumer(event))
+    read: list = []
+    with pytest.raises(DataLossError) as info:
+        read.extend(read_range({}, OffsetRange(TOPIC, 0, 0, 200), fail_on_data_loss=True))
+    message = str(info.value)
+    assert f"topic {TOPIC} partition 0" in message
+    assert "offset 100" in message and "[0, 200)" in message  # where, and the batch's range
+    assert "truncat" in message  # what happened
+    assert "failOnDataLoss=false" in message and "restore the input topic" in message
+    assert consumer.assigned == [0]  # never read on over the leader's new records
+
+
+def test_with_fail_on_data_loss_false_a_truncated_range_is_counted_and_skipped(
+    consumer_of, tmp_path
+):
+    consumer_of(FakeConsumer(TRUNCATED))
+    checkpoint = CheckpointDir(tmp_path)
+    batches = list(read_range({}, OffsetRange(TOPIC, 0, 0, 200), False, checkpoint))
+    assert _offsets(batches) == list(range(100))  # none of the leader's new records
+    assert checkpoint.source_stats() == {(TOPIC, 0): 100}  # the range's offsets not read
+
+
+def test_an_out_of_range_answer_from_a_broker_behind_the_leader_still_reads_on(consumer_of):
+    # A leader paused past its session timeout answers OFFSET_OUT_OF_RANGE; the leader
+    # holds the offsets: nothing is lost.
+    consumer = consumer_of(FakeConsumer(OUT_OF_RANGE))
+    batches = list(read_range({}, OffsetRange(TOPIC, 0, 0, 200), fail_on_data_loss=True))
+    assert _offsets(batches) == list(range(200))
+    assert consumer.assigned == [0, 100]
