@@ -19,7 +19,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -33,7 +33,7 @@ from .errors import (
 )
 from .markers import Marker, acknowledged_ends, ensure_marker_topic, last_marker, legacy_marker
 from .offsets import TP
-from .records import HEADER_ERROR
+from .records import HEADER_ERROR, HEADER_SOURCE
 from .stalls import reported_if_stalled
 
 log = logging.getLogger("onceflow.sink")
@@ -57,6 +57,9 @@ COMMIT_SLICE_S = 0.5
 PAUSED_S = 10.0
 LATE_SLICE_S = 1.0
 Record = tuple  # (topic, partition | None, key, value, headers | None)
+DEFAULT_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default producer limit
+# The headers a dead letter keeps whatever else it drops: where its input is, and why.
+ONCEFLOW_HEADERS = (HEADER_SOURCE, HEADER_ERROR)
 
 
 @dataclass(frozen=True)
@@ -282,7 +285,8 @@ class EpochPublisher:
     # -- producing ---------------------------------------------------------------------------
 
     def _produce_records(self, producer: Producer, records: Iterable[Record]) -> int:
-        """Produce every record of the epoch; returns how many."""
+        """Produce every record of the epoch; returns how many (an oversized record's dead
+        letter counts, one left out for want of a dead-letter topic does not)."""
         count = 0
         for topic, partition, key, value, headers in records:
             try:
@@ -290,7 +294,9 @@ class EpochPublisher:
             except KafkaException as exc:
                 if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
                     raise
-                self._oversized(producer, topic, key, value, headers)
+                record = _Oversized(topic, key, value, headers or [], self._max_message_bytes())
+                if not self._oversized(producer, records, record):
+                    continue
             count += 1
         return count
 
@@ -298,19 +304,33 @@ class EpochPublisher:
         key, value = marker.sink.encode(), marker.encode()
         _produce(producer, self.marker_topic, None, key, value, None, on_delivery)
 
-    def _oversized(self, producer: Producer, topic: str, key, value, headers) -> None:
-        """A record too big to publish becomes a dead letter without its value, never a loop
-        of failing epochs; its input stays readable at the offset in `onceflow.source`."""
-        size = len(key or b"") + len(value or b"")
-        limit = self.conf.get("message.max.bytes", "1000000")
-        reason = (
-            f"output record for topic {topic} of {size} bytes exceeds the producer limit of "
-            f"{limit} bytes (message.max.bytes); value omitted from this dead letter"
-        )
+    def _max_message_bytes(self) -> int:
+        """The producer's size limit (librdkafka's default unless configured)."""
+        return int(self.conf.get("message.max.bytes", DEFAULT_MESSAGE_MAX_BYTES))
+
+    def _oversized(self, producer: Producer, records: Iterable[Record], record: _Oversized) -> bool:
+        """A record over the producer's limit: True once it is a dead letter, False if it is
+        left out (no dead-letter topic). Never an error: the replayed epoch would hold the same
+        record, so every restart would fail on it again.
+
+        The dead letter drops what does not fit, the value first, then the original key and
+        headers, but keeps onceflow's own headers: `onceflow.source` finds the record in its
+        input, `onceflow.error` says why, and what was dropped."""
         if self.dead_letter_topic is None:
-            raise ValueError(reason + "; configure a dead-letter topic to route such records")
-        error_header = [(HEADER_ERROR, reason.encode())]
-        _produce(producer, self.dead_letter_topic, None, key, None, (headers or []) + error_header)
+            _left_out(records, record)
+            return False
+        for key, headers, dropped in record.dead_letters():
+            error = (HEADER_ERROR, record.reason(dropped).encode())
+            try:
+                _produce(producer, self.dead_letter_topic, None, key, None, [*headers, error])
+                return True
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                    raise
+        raise OnceflowError(  # (librdkafka's limit is 1000 bytes at least: cannot happen)
+            f"{record.reason([])}; not even its dead letter with only {HEADER_SOURCE} and "
+            f"{HEADER_ERROR} fits: raise message.max.bytes"
+        )
 
     def abort_open_transaction(self) -> None:
         """Called when Spark aborts an epoch: make sure nothing of it stays pending."""
@@ -671,6 +691,88 @@ def _produce(producer: Producer, topic, partition, key, value, headers, on_deliv
             return
         except BufferError:
             producer.poll(0.05)  # the local queue is full: let deliveries drain
+
+
+@dataclass(frozen=True)
+class _Oversized:
+    """An output record that produce() refused as larger than `limit` bytes (librdkafka
+    counts key, value and headers, plus their framing)."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]]
+    limit: int
+
+    @property
+    def source(self) -> str:
+        """The input record's position: the last `onceflow.source` (this pipeline's)."""
+        found = [value for name, value in self.headers if name == HEADER_SOURCE and value]
+        if not found:
+            return f"{self.topic} (an output record with no {HEADER_SOURCE})"
+        return found[-1].decode(errors="replace")
+
+    def reason(self, dropped: list[str]) -> str:
+        """Why it is a dead letter, with the sizes and the limit, and what the dead letter
+        dropped to fit."""
+        key, value, headers = _size(self.key), _size(self.value), _headers_size(self.headers)
+        text = (
+            f"output record for topic {self.topic} of {key + value + headers} bytes (key {key}, "
+            f"value {value}, headers {headers}) exceeds the producer limit of {self.limit} bytes "
+            "(message.max.bytes)"
+        )
+        if dropped:
+            text += f"; dropped from this dead letter to fit: {', '.join(dropped)}"
+        return text
+
+    def dead_letters(self) -> Iterator[tuple[bytes | None, list, list[str]]]:
+        """(key, headers, what is dropped) of each dead letter to try, in turn: without the
+        value; also without the original headers, or the key, or both (onceflow's own headers
+        kept); only if those alone are too large, with no header but the input's position."""
+        own = [h for h in self.headers if h[0] in ONCEFLOW_HEADERS]
+        position = [h for h in self.headers if h[0] == HEADER_SOURCE][-1:]
+        value = [f"value ({_size(self.value)} bytes)"] if self.value else []
+        key = [f"key ({_size(self.key)} bytes)"] if self.key else []
+        tried: list[tuple] = []
+        for kept_key, kept in [
+            (self.key, self.headers),
+            (self.key, own),
+            (None, self.headers),
+            (None, own),
+            (self.key, position),  # (onceflow's headers too large: forged upstream)
+            (None, position),
+        ]:
+            if (kept_key, kept) in tried:
+                continue  # (nothing more to drop there)
+            tried.append((kept_key, kept))
+            dropped_bytes = _headers_size(self.headers) - _headers_size(kept)
+            headers = [f"headers ({dropped_bytes} bytes)"] if kept != self.headers else []
+            yield kept_key, kept, value + (key if kept_key is None else []) + headers
+
+
+def _size(data: bytes | str | None) -> int:
+    return len(data) if data else 0
+
+
+def _headers_size(headers: list[tuple[str, bytes | None]]) -> int:
+    return sum(len(name) + _size(value) for name, value in headers)
+
+
+def _left_out(records: Iterable[Record], record: _Oversized) -> None:
+    """An oversized record with no dead-letter topic: counted and logged as the sink's
+    records (`sink._Records.leave_out`) do their side records of no topic, in the epoch's
+    one warning per kind; records of another kind get a warning of their own."""
+    reason = record.reason([])
+    leave_out = getattr(records, "leave_out", None)
+    if leave_out is not None:
+        leave_out("dead_letter", record.source, reason)
+        return
+    log.warning(
+        "dead-letter record at %s not published, since sink.dead_letter_topic is not set "
+        "(set it to keep such records): %s",
+        record.source,
+        reason,
+    )
 
 
 _publishers: dict[tuple, EpochPublisher] = {}

@@ -191,12 +191,16 @@ class _Records:
                 topic, partition, key, value, headers = record
                 kind = "late" if reason == LATE_REASON else "dead_letter"
                 if topic is None:
-                    self.counts[f"dropped_{kind}"] += 1
-                    self.unpublished[kind].append((source, reason))
+                    self.leave_out(kind, source, reason)
                     continue
                 self.counts[kind] += 1
                 yield topic, partition, key, value, _header_tuples(headers)
         log_unpublished(self.unpublished, self.batch_id)
+
+    def leave_out(self, kind: str, source: str, reason: str) -> None:
+        """Count a record of `kind` that has no topic to go to, for this pass' warning."""
+        self.counts[f"dropped_{kind}"] += 1
+        self.unpublished[kind].append((source, reason))
 
 
 # What a warning about unpublished records lists before it only counts.
