@@ -197,10 +197,19 @@ class _Records:
                 yield topic, partition, key, value, _header_tuples(headers)
         log_unpublished(self.unpublished, self.batch_id)
 
-    def leave_out(self, kind: str, source: str, reason: str) -> None:
-        """Count a record of `kind` that has no topic to go to, for this pass' warning."""
+    def leave_out(self, kind: str, source: str, reason: str, counted: str | None = None) -> None:
+        """Count a record of `kind` that has no topic to go to, for this pass' warning; one
+        yielded and so counted as `counted` already (an oversized record) is uncounted there."""
+        if counted is not None:
+            self.counts[counted] -= 1
         self.counts[f"dropped_{kind}"] += 1
         self.unpublished[kind].append((source, reason))
+
+    def recount(self, counted: str, now: str) -> None:
+        """A record yielded and counted as `counted` went out as `now` (an oversized record
+        as a dead letter)."""
+        self.counts[counted] -= 1
+        self.counts[now] += 1
 
 
 # What a warning about unpublished records lists before it only counts.

@@ -33,9 +33,9 @@ AVRO_TYPES = {
     "bytes": ("BINARY", "binary"),
 }
 # Avro's timestamp logical types (a long) -> microseconds per unit: they are read as Spark
-# TIMESTAMPs (microseconds, UTC; a local timestamp is taken as UTC). Every other logical
-# type is read as its underlying type: a date as INT days, a uuid as STRING, a decimal as
-# its BINARY two's-complement bytes.
+# TIMESTAMPs (microseconds, UTC; a local timestamp is taken as UTC), and a date (an int of
+# days) as a DATE. Every other logical type is read as its underlying type: a uuid as STRING,
+# a decimal as its BINARY two's-complement bytes, a timestamp-nanos as a BIGINT.
 AVRO_TIMESTAMP_MICROS = {
     "timestamp-millis": 1000,
     "timestamp-micros": 1,
@@ -242,6 +242,9 @@ def avro_field_types(schema: dict) -> dict[str, str]:
             if kind.get("logicalType") in AVRO_TIMESTAMP_MICROS:
                 result[field["name"]] = "TIMESTAMP"
                 continue
+            if kind.get("logicalType") == "date":
+                result[field["name"]] = "DATE"
+                continue
             kind = kind.get("type") if kind.get("logicalType") else None
         if kind not in AVRO_TYPES:
             raise ValueError(
@@ -257,6 +260,7 @@ def avro_arrow_types(schema: dict) -> dict:
 
     arrow = {sql: getattr(pa, name)() for sql, name in AVRO_TYPES.values()}
     arrow["TIMESTAMP"] = pa.timestamp("us", tz="UTC")
+    arrow["DATE"] = pa.date32()
     return {name: arrow[sql] for name, sql in avro_field_types(schema).items()}
 
 

@@ -203,6 +203,8 @@ def _event_time_ms(plan: RoutePlan, batch, fields: dict, reasons: list):
         ms_per_unit, counts = 1.0, column.cast(pa.int64())
     elif pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind):
         ms_per_unit, counts = 1.0, column
+    elif pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        ms_per_unit, counts = 1.0, _numbers(column, what, reasons)
     else:
         for row in np.flatnonzero(column.is_valid().to_numpy(zero_copy_only=False)):
             if reasons[row] is None:
@@ -220,6 +222,32 @@ def _event_time_ms(plan: RoutePlan, batch, fields: dict, reasons: list):
             reasons[row] = f"{what} is {value}, outside the years 1-9999 of event times"
     event_ms[outside] = np.nan
     return event_ms
+
+
+def _numbers(column, what: str, reasons: list):
+    """A text column's numbers as float64 (null where a text is none, with its reason): a JSON
+    number in a STRING field is text to Spark."""
+    import pyarrow as pa
+
+    try:
+        return column.cast(pa.float64())
+    except pa.ArrowInvalid:
+        pass
+    numbers = [None if text is None else text_as_number(text) for text in column.to_pylist()]
+    for row, (text, number) in enumerate(zip(column.to_pylist(), numbers, strict=True)):
+        if text is not None and number is None and reasons[row] is None:
+            reasons[row] = f"{what} is {text!r}, not a number of ms"
+    return pa.array(numbers, pa.float64())
+
+
+def text_as_number(text: str) -> float | None:
+    """The number a text holds as Arrow reads it (no spaces, "inf" and "nan" allowed), or None."""
+    import pyarrow as pa
+
+    try:
+        return pa.scalar(text).cast(pa.float64()).as_py()
+    except pa.ArrowInvalid:
+        return None
 
 
 def _late(plan: RoutePlan, event_ms, watermark_ms: int):

@@ -34,7 +34,7 @@ from bisect import bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -47,12 +47,13 @@ from onceflow.connectors.topics import read_committed
 
 from .config import AVRO_FORMATS
 from .formats import (
+    avro_field_types,
     avro_timestamp_fields,
     parsed_avro_schema,
     parsed_with_references,
     timestamps_as_micros,
 )
-from .routing import EVENT_TIME_MS
+from .routing import EVENT_TIME_MS, text_as_number
 
 if TYPE_CHECKING:
     from onceflow.config import PipelineConfig
@@ -487,20 +488,21 @@ def read_event(spec: WindowSpec, value: bytes | None, timestamp_ms: int) -> tupl
     if value is None:
         return "record value is null"
     types: dict[str, str] = {}
+    kinds: dict[str, str] = {}  # an Avro record's Spark types
     if spec.format in AVRO_FORMATS:
         record = _read_avro(spec, value)
         if isinstance(record, str):
             return record
-        timestamps = avro_timestamp_fields(spec.avro_schema)
-        too_large = timestamps_as_micros(record, timestamps)
+        too_large = timestamps_as_micros(record, avro_timestamp_fields(spec.avro_schema))
         if too_large:
             return too_large
-        for name in timestamps:
-            if record.get(name) is not None:
-                try:
-                    record[name] = EPOCH + timedelta(microseconds=record[name])
-                except OverflowError:
-                    return f"field {name!r} is {record[name]} µs, outside the years 1-9999"
+        event, kinds = spec.event_time_field, avro_field_types(spec.avro_schema)
+        unit = {"TIMESTAMP": timedelta(microseconds=1), "DATE": timedelta(days=1)}
+        if event in kinds and kinds[event] in unit and record.get(event) is not None:
+            try:
+                record[event] = EPOCH + record[event] * unit[kinds[event]]
+            except OverflowError:
+                return f"event time field {event!r} is {record[event]}, outside the years 1-9999"
     else:
         try:
             record = json.loads(value)
@@ -512,6 +514,8 @@ def read_event(spec: WindowSpec, value: bytes | None, timestamp_ms: int) -> tupl
     if spec.event_time_field is None:
         if timestamp_ms < 0:
             return "the record has no Kafka timestamp"
+        if timestamp_ms > EVENT_TIME_MS[1]:
+            return f"the Kafka timestamp is {timestamp_ms}, outside the years 1-9999"
         time_ms: int | str = timestamp_ms
     else:
         time_ms = _time_ms(record.get(spec.event_time_field), types.get(spec.event_time_field))
@@ -524,9 +528,28 @@ def read_event(spec: WindowSpec, value: bytes | None, timestamp_ms: int) -> tupl
             return f"key field {name!r} is missing or null"
         if types.get(name) == "STRING" and not isinstance(part, str):
             part = json.dumps(part, separators=(",", ":"))  # Spark reads the JSON text
+        if kinds.get(name) in ("TIMESTAMP", "DATE"):
+            part = _spark_text(part, kinds[name], in_json=len(spec.key) > 1)
         keys[name] = part
     key = keys[spec.key[0]] if len(spec.key) == 1 else keys
     return canonical_key(key), time_ms
+
+
+def _spark_text(part: Any, kind: str, in_json: bool) -> str:
+    """An Avro TIMESTAMP (µs) or DATE (days) key field, or the event time's datetime, as Spark
+    writes it in a result's key: cast to text for a key of one field, in `to_json`'s format
+    (milliseconds, "Z") in one of several."""
+    try:
+        if kind == "DATE":
+            day = part.date() if isinstance(part, datetime) else EPOCH.date() + timedelta(part)
+            return day.isoformat()
+        moment = part if isinstance(part, datetime) else EPOCH + timedelta(microseconds=part)
+    except OverflowError:
+        return str(part)
+    if in_json:
+        return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    text = moment.strftime("%Y-%m-%d %H:%M:%S")
+    return text + f".{moment.microsecond:06d}".rstrip("0") if moment.microsecond else text
 
 
 def _time_ms(value: Any, ddl_type: str | None) -> int | str:
@@ -542,10 +565,27 @@ def _read_time_ms(value: Any, ddl_type: str | None) -> int | str:
         return "is missing or null"
     if isinstance(value, float) and math.isinf(value):
         return f"is {value!r}, outside the years 1-9999 of event times"
-    if isinstance(value, datetime):  # an Avro timestamp logical type
+    if isinstance(value, datetime):  # an Avro timestamp or date
         return math.floor(value.timestamp() * 1000)
     if isinstance(value, bool):
         return f"is {value}, not a time"
+    if ddl_type == "DATE":  # Spark reads "yyyy-mm-dd" as that day's midnight, UTC
+        try:
+            day = date.fromisoformat(value) if isinstance(value, str) else None
+        except ValueError:
+            day = None
+        if day is None:
+            return f"is {json.dumps(value)[:40]}, which verify cannot read as a date"
+        return (day - EPOCH.date()).days * 86_400_000
+    if ddl_type == "STRING" and isinstance(value, str):  # a number as text, as the router reads
+        number = text_as_number(value)
+        if number is None:
+            return f"is {value!r}, not a number of ms"
+        value = number
+        if math.isnan(value):
+            return "is missing or null"
+        if math.isinf(value):
+            return f"is {value!r}, outside the years 1-9999 of event times"
     if ddl_type == "TIMESTAMP":
         if isinstance(value, int | float):
             return math.floor(value * 1000)  # Spark reads a JSON number as seconds

@@ -19,6 +19,7 @@ from confluent_kafka import KafkaError, KafkaException
 from onceflow.connectors import publisher as publishing
 from onceflow.connectors.records import (
     HEADER_ERROR,
+    HEADER_LATE,
     HEADER_SOURCE,
     OUTPUT_COLUMNS,
     headers_type,
@@ -185,8 +186,31 @@ def test_with_no_dead_letter_topic_a_record_too_large_is_counted_and_logged_as_d
 
     assert [(t, k) for t, k, _v, _h in accepted if t == "out"] == [("out", b"k2")]
     assert broker.marker is not None and broker.marker.records == 1
-    assert records.counts["dropped_dead_letter"] == 1
+    assert +records.counts == {"result": 1, "dropped_dead_letter": 1}  # not 2 results
     [warning] = [r.getMessage() for r in caplog.records if "not published" in r.getMessage()]
     assert "1 dead-letter records not published" in warning, warning
     assert "sink.dead_letter_topic is not set" in warning and "clicks/0 offsets 7" in warning
     assert f"limit of {LIMIT} bytes" in warning, warning
+
+
+def test_an_oversized_result_published_as_a_dead_letter_is_counted_as_one(broker, accepted):
+    """The sink counts records as it yields them; the publisher tells it when one went out
+    as something else."""
+    late = [(HEADER_LATE, b"true"), (HEADER_SOURCE, b"clicks/0/9")]
+    records = _Records(
+        [
+            _results(
+                ("out", None, b"k1", b"v" * 5_000, [SOURCE]),
+                ("out", None, b"k2", b"fine", [(HEADER_SOURCE, b"clicks/0/8")]),
+            )
+        ],
+        batch_id=0,
+    )
+    assert publisher("exactly_once").publish_epoch(
+        publishing.Epoch(0, "q", harness.OFFSETS, records)
+    )
+    assert len(dead_letters(accepted)) == 1
+    assert +records.counts == {"result": 1, "dead_letter": 1}
+    assert publishing._Oversized("late", None, None, late, LIMIT).kind == "late"
+    passed_on = [(HEADER_ERROR, b"upstream"), (HEADER_SOURCE, b"a/0/1"), SOURCE]
+    assert publishing._Oversized("out", None, None, passed_on, LIMIT).kind == "result"

@@ -7,9 +7,11 @@ import json
 import math
 
 import pyarrow as pa
+import pytest
 from fastavro import parse_schema, schemaless_writer
 
 from onceflow.routing import RoutePlan, classify
+from onceflow.verify import WindowSpec, read_event
 
 TS = 1_700_000_000_000
 
@@ -78,13 +80,151 @@ def test_event_times_no_timestamp_holds_are_dead_letters_naming_the_field_and_va
 
 
 def test_an_event_time_field_that_is_not_a_time_makes_dead_letters_not_a_failed_epoch():
+    """Text that holds a number is that many ms (a JSON number in a STRING field is text to
+    Spark), as before; any other text, or a field of another type, is a dead letter."""
     plan = avro_plan(["null", "string"])
-    _, _, dead, _, reasons = classify(plan, records(plan, ["12", None]), 0)
-    assert dead.tolist() == [True, True]
-    assert (
-        reasons[0] == "event time field 'ts' is of type string, not a number of ms or a timestamp"
+    _, event_ms, dead, _, reasons = classify(plan, records(plan, [str(TS), "abc", None]), 0)
+    assert dead.tolist() == [False, True, True] and event_ms[0] == TS
+    assert reasons[1] == "event time field 'ts' is 'abc', not a number of ms"
+    assert reasons[2] == "event time field 'ts' is missing or null"
+    plan = avro_plan("boolean")
+    _, _, dead, _, reasons = classify(plan, records(plan, [True]), 0)
+    assert reasons == ["event time field 'ts' is of type bool, not a number of ms or a timestamp"]
+
+
+# -- verify models the router: both must say the same of every record ---------------------
+
+JSON_CASES = [  # (DDL type of ts, Arrow type Spark's from_json gives, JSON value)
+    ("STRING", pa.string(), str(TS)),
+    ("STRING", pa.string(), "abc"),
+    ("DATE", pa.date32(), "2023-11-14"),
+    ("LONG", pa.int64(), 2**62),
+    ("LONG", pa.int64(), TS),
+    ("DOUBLE", pa.float64(), 1.7e18),
+]
+
+
+def _arrow_value(arrow_type, value):
+    if pa.types.is_date32(arrow_type):
+        from datetime import date
+
+        return pa.array([date.fromisoformat(value)], arrow_type)
+    return pa.array([value], arrow_type)
+
+
+@pytest.mark.parametrize(("ddl_type", "arrow_type", "value"), JSON_CASES)
+def test_verify_reads_a_json_event_time_as_the_router_does(ddl_type, arrow_type, value):
+    ddl = f"user STRING, ts {ddl_type}"
+    plan = RoutePlan(
+        checkpoint="/nonexistent",
+        source="in",
+        format="json",
+        fields=("user", "ts"),
+        required=("user",),
+        event_time_field="ts",
+        dead_letter_topic="dead",
+        late_topic="late",
+        window_type="tumbling",
+        window_size_ms=10_000,
+        window_slide_ms=10_000,
+        json_schema_ddl=ddl,
     )
-    assert reasons[1] == "event time field 'ts' is missing or null"
+    data = pa.StructArray.from_arrays(
+        [pa.array(["u"]), _arrow_value(arrow_type, value), pa.array([None], pa.string())],
+        names=["user", "ts", "_corrupt_record"],
+    )
+    raw = json.dumps({"user": "u", "ts": value}).encode()
+    batch = pa.RecordBatch.from_arrays(
+        [pa.array([raw], pa.binary()), data, pa.array([TS * 1000], pa.timestamp("us", tz="UTC"))],
+        names=["_value", "_data", "_timestamp"],
+    )
+    _, event_ms, dead, _, reasons = classify(plan, batch, 0)
+    spec = WindowSpec(
+        type="tumbling",
+        key=("user",),
+        count_field="n",
+        checkpoint="/nonexistent",
+        size_ms=10_000,
+        event_time_field="ts",
+        json_schema=ddl,
+    )
+    read = read_event(spec, raw, TS)
+    assert isinstance(read, str) == bool(dead[0]), (reasons, read)
+    if not dead[0]:
+        assert read[1] == event_ms[0]
+
+
+def test_verify_reads_a_kafka_timestamp_no_event_time_holds_as_the_router_does():
+    plan = RoutePlan(**{**avro_plan("long").__dict__, "event_time_field": None})
+    too_late = 300_000_000_000_000  # ms: a producer that wrote microseconds
+    batch = pa.RecordBatch.from_arrays(
+        [
+            records(plan, [TS]).column("_value"),
+            pa.array([too_late * 1000], pa.timestamp("us", tz="UTC")),
+        ],
+        names=["_value", "_timestamp"],
+    )
+    _, _, dead, _, _ = classify(plan, batch, 0)
+    spec = WindowSpec(
+        type="tumbling",
+        key=("user",),
+        count_field="n",
+        checkpoint="/nonexistent",
+        size_ms=10_000,
+        format="avro",
+        avro_schema=json.loads(plan.avro_schema_json),
+    )
+    assert dead.tolist() == [True]
+    assert isinstance(read_event(spec, batch.column("_value")[0].as_py(), too_late), str)
+
+
+def test_verify_reads_avro_times_and_keys_them_as_spark_writes_them():
+    """An Avro date is the day's midnight as an event time, and a result's key holds it as
+    Spark's text; a timestamp past year 9999 in a field that is not the event time is no
+    reason for a dead letter."""
+    schema = {
+        "type": "record",
+        "name": "Visit",
+        "fields": [
+            {"name": "user", "type": "string"},
+            {"name": "day", "type": {"type": "int", "logicalType": "date"}},
+            {"name": "expires", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+        ],
+    }
+    day, expires = 19_675, 253_402_300_800_000  # 2023-11-14; 10000-01-01 in ms
+    body = io.BytesIO()
+    schemaless_writer(body, parse_schema(schema), {"user": "u", "day": day, "expires": expires})
+    plan = RoutePlan(
+        **{
+            **avro_plan("long").__dict__,
+            "fields": ("user", "day", "expires"),
+            "event_time_field": "day",
+            "avro_schema_json": json.dumps(schema),
+        }
+    )
+    batch = pa.RecordBatch.from_arrays(
+        [pa.array([body.getvalue()], pa.binary()), pa.array([0], pa.timestamp("us", tz="UTC"))],
+        names=["_value", "_timestamp"],
+    )
+    fields, event_ms, _, _, reasons = classify(plan, batch, 0)
+    assert reasons == [None] and event_ms.tolist() == [day * 86_400_000]
+    assert fields["day"].type == pa.date32()
+    for key, expected in [
+        (("day",), '"2023-11-14"'),
+        (("user", "day"), '{"day":"2023-11-14","user":"u"}'),
+    ]:
+        spec = WindowSpec(
+            type="tumbling",
+            key=key,
+            count_field="n",
+            checkpoint="/nonexistent",
+            size_ms=10_000,
+            event_time_field="day",
+            format="avro",
+            avro_schema=schema,
+        )
+        read = read_event(spec, body.getvalue(), 0)
+        assert read == (expected, day * 86_400_000)
 
 
 class _Task:
