@@ -364,6 +364,51 @@ def test_avro_in_and_out(kafka_bootstrap, spark, topics, tmp_path):
     assert dict(dead[0].headers())["onceflow.error"].startswith(b"value is not Avro of schema")
 
 
+def test_avro_timestamps_and_dates_are_event_times_and_a_time_no_timestamp_holds_a_dead_letter(
+    kafka_bootstrap, spark, topics, tmp_path
+):
+    """Avro's timestamp-millis decoded to a datetime that its long's Arrow column refused:
+    every epoch of such an input failed. A date is a DATE; an event time past year 9999 is a
+    dead letter naming it, not a failed epoch."""
+    clicks = {
+        **CLICK_AVRO,
+        "fields": [
+            {"name": "user", "type": "string"},
+            {"name": "bytes", "type": "long"},
+            {"name": "ts", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+            {"name": "day", "type": ["null", {"type": "int", "logicalType": "date"}]},
+        ],
+    }
+    (tmp_path / "click.avsc").write_text(json.dumps(clicks))
+    raw = pipeline(topics, tmp_path, kafka_bootstrap, TUMBLING_CLICKS)
+    raw["source"].update(format="avro", schema_file="click.avsc")
+    del raw["source"]["schema"]
+    config = parse(raw, base_dir=tmp_path)
+
+    def avro(record: dict) -> bytes:
+        buffer = io.BytesIO()
+        schemaless_writer(buffer, parse_schema(clicks), record)
+        return buffer.getvalue()
+
+    day = BASE // 86_400_000
+    events = [{"user": "a", "bytes": 3, "ts": BASE + i, "day": day} for i in range(4)]
+    events.append({"user": "far", "bytes": 1, "ts": 300_000_000_000_000, "day": None})
+    events.append({"user": "z", "bytes": 1, "ts": BASE + 100_000, "day": day})
+    produce(kafka_bootstrap, topics["in"], [(None, avro(e), 0) for e in events])
+    run(config, available_now=True)
+
+    out = [json.loads(m.value()) for m in read_committed(kafka_bootstrap, topics["out"])]
+    assert out == [
+        {"key": "a", "window_start": BASE, "window_end": BASE + 10_000, "clicks": 4, "bytes": 12}
+    ]
+    dead = read_committed(kafka_bootstrap, topics["dlq"])
+    assert [m.value() for m in dead] == [avro(events[4])]
+    assert dict(dead[0].headers())["onceflow.error"] == (
+        b"event time field 'ts' is 300000000000000000 us after 1970, outside the years 1-9999 "
+        b"of event times"
+    )
+
+
 def test_transform_with_keyed_state_keeps_running_totals(kafka_bootstrap, spark, topics, tmp_path):
     from onceflow import pipeline as builder
 
