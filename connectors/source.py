@@ -206,7 +206,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._check_retention(starts, earliest)
         if self._available_now_target is not None:
             target = self._available_now_target
-            stable = {tp: min(o, target.get(tp, earliest[tp])) for tp, o in stable.items()}
+            for tp, o in stable.items():  # one the look-up at the start left out: as of now
+                target.setdefault(tp, o)
+            stable = {tp: min(o, target[tp]) for tp, o in stable.items()}
         available = {tp: max(0, stable[tp] - o) for tp, o in starts.items() if tp not in rewound}
         take = _admit(available, ramp_limit(limit, self._epochs_planned))
         self._epochs_planned += any(take.values())
@@ -384,7 +386,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 starts[tp] = earliest[tp]
 
     def prepareForTriggerAvailableNow(self) -> None:
-        """Fix the backlog to drain: what is readable now, and nothing produced later."""
+        """Fix the backlog to drain: what is readable now, and nothing produced later. A
+        partition this look-up misses (a broker whose metadata is behind, a partition added
+        meanwhile) is drained to where it ends when planning first sees it."""
         tps = self._partitions_now()
         self._available_now_target = kafka_clients.stable_ends(self.conf, tps)
 

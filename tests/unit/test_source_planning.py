@@ -279,3 +279,20 @@ def test_a_named_input_without_initial_offsets_refuses_once_batch_0_was_planned(
         reader.initialOffset()
     CheckpointDir(tmp_path).save_initial_offsets({"t": {"0": 4}}, "persons")
     assert reader.initialOffset() == {"t": {"0": 4}}
+
+
+def test_available_now_drains_a_partition_the_look_up_at_its_start_missed(monkeypatch):
+    """`--available-now` fixes the backlog when it starts; a broker behind the others may
+    leave out a partition the checkpoint reads. That partition's backlog was capped at its
+    earliest offset: the run ended, exit 0, with its records unread."""
+    from onceflow.connectors import kafka_clients, offsets
+
+    reader = _reader_over(monkeypatch, [{"t": "A"}] * 4, stable=50)
+    reader.prepareForTriggerAvailableNow()  # the look-up lists partition 0 only
+    monkeypatch.setattr(reader, "_partitions_now", lambda: [("t", 0), ("t", 1)])
+    start = offsets.logged({("t", 0): 10, ("t", 1): 10}, {"t": "A"})
+    end = reader.latestOffset(start, ReadAllAvailable())
+    assert offsets.positions(end) == {("t", 0): 50, ("t", 1): 50}
+    more = {("t", 0): 80, ("t", 1): 80}  # produced after the run started: not drained
+    monkeypatch.setattr(kafka_clients, "stable_ends", lambda conf, tps: more)
+    assert offsets.positions(reader.latestOffset(end, ReadAllAvailable())) == offsets.positions(end)
