@@ -233,9 +233,10 @@ def _numbers(column, what: str, reasons: list):
         return column.cast(pa.float64())
     except pa.ArrowInvalid:
         pass
-    numbers = [None if text is None else text_as_number(text) for text in column.to_pylist()]
-    for row, (text, number) in enumerate(zip(column.to_pylist(), numbers, strict=True)):
-        if text is not None and number is None and reasons[row] is None:
+    numbers = []
+    for row, text in enumerate(column.to_pylist()):
+        numbers.append(None if text is None else text_as_number(text))
+        if text is not None and numbers[-1] is None and reasons[row] is None:
             reasons[row] = f"{what} is {text!r}, not a number of ms"
     return pa.array(numbers, pa.float64())
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import struct
 from bisect import bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -586,7 +587,9 @@ def _read_time_ms(value: Any, ddl_type: str | None) -> int | str:
             return "is missing or null"
         if math.isinf(value):
             return f"is {value!r}, outside the years 1-9999 of event times"
-    if ddl_type == "TIMESTAMP":
+    if ddl_type == "FLOAT" and isinstance(value, int | float):  # Spark keeps 24 bits of it
+        value = float(struct.unpack("f", struct.pack("f", value))[0])
+    if ddl_type in ("TIMESTAMP", "TIMESTAMP_NTZ"):
         if isinstance(value, int | float):
             return math.floor(value * 1000)  # Spark reads a JSON number as seconds
         try:

@@ -101,14 +101,19 @@ JSON_CASES = [  # (DDL type of ts, Arrow type Spark's from_json gives, JSON valu
     ("LONG", pa.int64(), 2**62),
     ("LONG", pa.int64(), TS),
     ("DOUBLE", pa.float64(), 1.7e18),
+    ("FLOAT", pa.float32(), float(TS + 123)),  # Spark's FLOAT holds 1700000038912.0 of it
+    ("TIMESTAMP_NTZ", pa.timestamp("us"), "2023-11-14T22:13:20.123"),
 ]
 
 
 def _arrow_value(arrow_type, value):
-    if pa.types.is_date32(arrow_type):
-        from datetime import date
+    """The value as Spark's from_json hands it to the router."""
+    from datetime import date, datetime
 
+    if pa.types.is_date32(arrow_type):
         return pa.array([date.fromisoformat(value)], arrow_type)
+    if pa.types.is_timestamp(arrow_type):
+        return pa.array([datetime.fromisoformat(value)], arrow_type)
     return pa.array([value], arrow_type)
 
 
