@@ -33,7 +33,7 @@ from .errors import (
 )
 from .markers import Marker, acknowledged_ends, ensure_marker_topic, last_marker, legacy_marker
 from .offsets import TP
-from .records import HEADER_ERROR, HEADER_LATE, HEADER_SOURCE
+from .records import HEADER_ERROR, HEADER_SOURCE
 from .stalls import reported_if_stalled
 
 log = logging.getLogger("onceflow.sink")
@@ -323,7 +323,7 @@ class EpochPublisher:
             error = (HEADER_ERROR, record.reason(dropped).encode())
             try:
                 _produce(producer, self.dead_letter_topic, None, key, None, [*headers, error])
-                _recount(records, record.kind, "dead_letter")
+                _recount(records, "dead_letter")
                 return True
             except KafkaException as exc:
                 if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
@@ -706,14 +706,6 @@ class _Oversized:
     limit: int
 
     @property
-    def kind(self) -> str:
-        """What the sink counted it as: onceflow appends `onceflow.error` (a dead letter) or
-        `onceflow.late` right before its `onceflow.source`; a result has neither there."""
-        names = [name for name, _ in self.headers]
-        before_source = names[-2] if names[-1:] == [HEADER_SOURCE] and len(names) > 1 else None
-        return {HEADER_ERROR: "dead_letter", HEADER_LATE: "late"}.get(before_source, "result")
-
-    @property
     def source(self) -> str:
         """The input record's position: the last `onceflow.source` (this pipeline's)."""
         found = [value for name, value in self.headers if name == HEADER_SOURCE and value]
@@ -767,12 +759,12 @@ def _headers_size(headers: list[tuple[str, bytes | None]]) -> int:
     return sum(len(name) + _size(value) for name, value in headers)
 
 
-def _recount(records: Iterable[Record], counted: str, now: str) -> None:
-    """Tell the sink's records (`sink._Records.recount`) that a record counted as `counted`
+def _recount(records: Iterable[Record], now: str) -> None:
+    """Tell the sink's records (`sink._Records.recount`) that the record they yielded last
     went out as `now`."""
     recount = getattr(records, "recount", None)
     if recount is not None:
-        recount(counted, now)
+        recount(now)
 
 
 def _left_out(records: Iterable[Record], record: _Oversized) -> None:
@@ -782,7 +774,7 @@ def _left_out(records: Iterable[Record], record: _Oversized) -> None:
     reason = record.reason([])
     leave_out = getattr(records, "leave_out", None)
     if leave_out is not None:
-        leave_out("dead_letter", record.source, reason, counted=record.kind)
+        leave_out("dead_letter", record.source, reason, yielded=True)
         return
     log.warning(
         "dead-letter record at %s not published, since sink.dead_letter_topic is not set "

@@ -170,6 +170,7 @@ class _Records:
         # Of the last full pass: records by kind, and the (source, reason) of those left out.
         self.counts: Counter[str] = Counter()
         self.unpublished: dict[str, list[tuple[str, str]]] = {}
+        self.yielding = "result"  # the kind of the record last yielded
 
     def __iter__(self):
         self.counts = Counter()
@@ -179,6 +180,7 @@ class _Records:
             columns = [table.column(c).to_pylist() for c in OUTPUT_COLUMNS]
             if "source" not in table.column_names:
                 self.counts["result"] += table.num_rows
+                self.yielding = "result"
                 for topic, partition, key, value, headers in zip(*columns, strict=True):
                     yield topic, partition, key, value, _header_tuples(headers)
                 continue
@@ -194,21 +196,21 @@ class _Records:
                     self.leave_out(kind, source, reason)
                     continue
                 self.counts[kind] += 1
+                self.yielding = kind
                 yield topic, partition, key, value, _header_tuples(headers)
         log_unpublished(self.unpublished, self.batch_id)
 
-    def leave_out(self, kind: str, source: str, reason: str, counted: str | None = None) -> None:
-        """Count a record of `kind` that has no topic to go to, for this pass' warning; one
-        yielded and so counted as `counted` already (an oversized record) is uncounted there."""
-        if counted is not None:
-            self.counts[counted] -= 1
+    def leave_out(self, kind: str, source: str, reason: str, yielded: bool = False) -> None:
+        """Count a record of `kind` that has no topic to go to, for this pass' warning; the
+        record last yielded (an oversized one) is uncounted as what it was yielded as."""
+        if yielded:
+            self.counts[self.yielding] -= 1
         self.counts[f"dropped_{kind}"] += 1
         self.unpublished[kind].append((source, reason))
 
-    def recount(self, counted: str, now: str) -> None:
-        """A record yielded and counted as `counted` went out as `now` (an oversized record
-        as a dead letter)."""
-        self.counts[counted] -= 1
+    def recount(self, now: str) -> None:
+        """The record last yielded went out as `now` (an oversized one, as a dead letter)."""
+        self.counts[self.yielding] -= 1
         self.counts[now] += 1
 
 

@@ -206,9 +206,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._check_retention(starts, earliest)
         if self._available_now_target is not None:
             target = self._available_now_target
-            for tp, o in stable.items():  # one the look-up at the start left out: as of now
-                target.setdefault(tp, o)
-            stable = {tp: min(o, target[tp]) for tp, o in stable.items()}
+            for tp in tps:  # one the look-up at the start left out: as of now
+                target.setdefault(tp, stable[tp])
+            stable = {tp: min(o, target.get(tp, earliest[tp])) for tp, o in stable.items()}
         available = {tp: max(0, stable[tp] - o) for tp, o in starts.items() if tp not in rewound}
         take = _admit(available, ramp_limit(limit, self._epochs_planned))
         self._epochs_planned += any(take.values())

@@ -30,7 +30,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import struct
 from bisect import bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -488,8 +487,7 @@ def read_event(spec: WindowSpec, value: bytes | None, timestamp_ms: int) -> tupl
     record should be a dead letter."""
     if value is None:
         return "record value is null"
-    types: dict[str, str] = {}
-    kinds: dict[str, str] = {}  # an Avro record's Spark types
+    types: dict[str, str] = {}  # Spark's type of each field
     if spec.format in AVRO_FORMATS:
         record = _read_avro(spec, value)
         if isinstance(record, str):
@@ -497,11 +495,11 @@ def read_event(spec: WindowSpec, value: bytes | None, timestamp_ms: int) -> tupl
         too_large = timestamps_as_micros(record, avro_timestamp_fields(spec.avro_schema))
         if too_large:
             return too_large
-        event, kinds = spec.event_time_field, avro_field_types(spec.avro_schema)
+        event, types = spec.event_time_field, avro_field_types(spec.avro_schema)
         unit = {"TIMESTAMP": timedelta(microseconds=1), "DATE": timedelta(days=1)}
-        if event in kinds and kinds[event] in unit and record.get(event) is not None:
+        if event in types and types[event] in unit and record.get(event) is not None:
             try:
-                record[event] = EPOCH + record[event] * unit[kinds[event]]
+                record[event] = EPOCH + record[event] * unit[types[event]]
             except OverflowError:
                 return f"event time field {event!r} is {record[event]}, outside the years 1-9999"
     else:
@@ -529,28 +527,28 @@ def read_event(spec: WindowSpec, value: bytes | None, timestamp_ms: int) -> tupl
             return f"key field {name!r} is missing or null"
         if types.get(name) == "STRING" and not isinstance(part, str):
             part = json.dumps(part, separators=(",", ":"))  # Spark reads the JSON text
-        if kinds.get(name) in ("TIMESTAMP", "DATE"):
-            part = _spark_text(part, kinds[name], in_json=len(spec.key) > 1)
+        if spec.format in AVRO_FORMATS and types.get(name) in ("TIMESTAMP", "DATE"):
+            part = _spark_json(part, types[name])
         keys[name] = part
     key = keys[spec.key[0]] if len(spec.key) == 1 else keys
     return canonical_key(key), time_ms
 
 
-def _spark_text(part: Any, kind: str, in_json: bool) -> str:
-    """An Avro TIMESTAMP (µs) or DATE (days) key field, or the event time's datetime, as Spark
-    writes it in a result's key: cast to text for a key of one field, in `to_json`'s format
-    (milliseconds, "Z") in one of several."""
+def _spark_json(part: Any, kind: str) -> str:
+    """An Avro TIMESTAMP (µs) or DATE (days) key field, or the event time's datetime, as
+    Spark's `to_json` writes it in a result's value, where verify reads keys: a date as
+    2023-11-14, a timestamp as 2023-11-14T22:13:20.123Z (UTC, milliseconds)."""
     try:
         if kind == "DATE":
             day = part.date() if isinstance(part, datetime) else EPOCH.date() + timedelta(part)
-            return day.isoformat()
+            return f"{day.year:04d}-{day.month:02d}-{day.day:02d}"
         moment = part if isinstance(part, datetime) else EPOCH + timedelta(microseconds=part)
     except OverflowError:
         return str(part)
-    if in_json:
-        return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
-    text = moment.strftime("%Y-%m-%d %H:%M:%S")
-    return text + f".{moment.microsecond:06d}".rstrip("0") if moment.microsecond else text
+    return (
+        f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}T{moment.hour:02d}:"
+        f"{moment.minute:02d}:{moment.second:02d}.{moment.microsecond // 1000:03d}Z"
+    )
 
 
 def _time_ms(value: Any, ddl_type: str | None) -> int | str:
@@ -562,6 +560,11 @@ def _time_ms(value: Any, ddl_type: str | None) -> int | str:
 
 
 def _read_time_ms(value: Any, ddl_type: str | None) -> int | str:
+    if ddl_type == "FLOAT" and isinstance(value, int | float) and not isinstance(value, bool):
+        import numpy as np
+
+        with np.errstate(over="ignore"):
+            value = float(np.float32(value))  # Spark keeps 24 bits of it
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "is missing or null"
     if isinstance(value, float) and math.isinf(value):
@@ -587,9 +590,15 @@ def _read_time_ms(value: Any, ddl_type: str | None) -> int | str:
             return "is missing or null"
         if math.isinf(value):
             return f"is {value!r}, outside the years 1-9999 of event times"
-    if ddl_type == "FLOAT" and isinstance(value, int | float):  # Spark keeps 24 bits of it
-        value = float(struct.unpack("f", struct.pack("f", value))[0])
-    if ddl_type in ("TIMESTAMP", "TIMESTAMP_NTZ"):
+    if ddl_type == "TIMESTAMP_NTZ":  # Spark reads only text without a zone, as UTC
+        try:
+            parsed = datetime.fromisoformat(value) if isinstance(value, str) else None
+        except ValueError:
+            parsed = None
+        if parsed is None or parsed.tzinfo is not None:
+            return f"is {json.dumps(value)[:40]}, not a timestamp without a time zone"
+        return math.floor(parsed.replace(tzinfo=UTC).timestamp() * 1000)
+    if ddl_type == "TIMESTAMP":
         if isinstance(value, int | float):
             return math.floor(value * 1000)  # Spark reads a JSON number as seconds
         try:

@@ -196,7 +196,6 @@ def test_with_no_dead_letter_topic_a_record_too_large_is_counted_and_logged_as_d
 def test_an_oversized_result_published_as_a_dead_letter_is_counted_as_one(broker, accepted):
     """The sink counts records as it yields them; the publisher tells it when one went out
     as something else."""
-    late = [(HEADER_LATE, b"true"), (HEADER_SOURCE, b"clicks/0/9")]
     records = _Records(
         [
             _results(
@@ -211,6 +210,16 @@ def test_an_oversized_result_published_as_a_dead_letter_is_counted_as_one(broker
     )
     assert len(dead_letters(accepted)) == 1
     assert +records.counts == {"result": 1, "dead_letter": 1}
-    assert publishing._Oversized("late", None, None, late, LIMIT).kind == "late"
-    passed_on = [(HEADER_ERROR, b"upstream"), (HEADER_SOURCE, b"a/0/1"), SOURCE]
-    assert publishing._Oversized("out", None, None, passed_on, LIMIT).kind == "result"
+
+
+def test_an_oversized_result_that_passes_on_an_inputs_late_headers_is_counted_as_a_result(
+    broker, accepted
+):
+    """A job that re-reads a late topic passes its records' headers on: the sink knows what
+    it yielded, the headers do not say."""
+    passed_on = [(HEADER_LATE, b"true"), (HEADER_SOURCE, b"clicks/0/9")]
+    records = _Records([_results(("out", None, b"k1", b"v" * 5_000, passed_on))], batch_id=0)
+    assert publisher("exactly_once", dead_letter_topic=None).publish_epoch(
+        publishing.Epoch(0, "q", harness.OFFSETS, records)
+    )
+    assert +records.counts == {"dropped_dead_letter": 1}

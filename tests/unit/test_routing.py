@@ -102,7 +102,9 @@ JSON_CASES = [  # (DDL type of ts, Arrow type Spark's from_json gives, JSON valu
     ("LONG", pa.int64(), TS),
     ("DOUBLE", pa.float64(), 1.7e18),
     ("FLOAT", pa.float32(), float(TS + 123)),  # Spark's FLOAT holds 1700000038912.0 of it
+    ("FLOAT", pa.float32(), 1e39),  # inf to Spark
     ("TIMESTAMP_NTZ", pa.timestamp("us"), "2023-11-14T22:13:20.123"),
+    ("TIMESTAMP_NTZ", pa.timestamp("us"), "2023-11-14T22:13:20Z"),  # null to Spark: a zone
 ]
 
 
@@ -113,7 +115,10 @@ def _arrow_value(arrow_type, value):
     if pa.types.is_date32(arrow_type):
         return pa.array([date.fromisoformat(value)], arrow_type)
     if pa.types.is_timestamp(arrow_type):
-        return pa.array([datetime.fromisoformat(value)], arrow_type)
+        parsed = datetime.fromisoformat(value)
+        return pa.array([None if parsed.tzinfo else parsed], arrow_type)
+    if pa.types.is_float32(arrow_type) and value > 3.4e38:
+        return pa.array([float("inf")], arrow_type)
     return pa.array([value], arrow_type)
 
 
@@ -194,15 +199,17 @@ def test_verify_reads_avro_times_and_keys_them_as_spark_writes_them():
             {"name": "user", "type": "string"},
             {"name": "day", "type": {"type": "int", "logicalType": "date"}},
             {"name": "expires", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+            {"name": "seen", "type": {"type": "long", "logicalType": "timestamp-millis"}},
         ],
     }
     day, expires = 19_675, 253_402_300_800_000  # 2023-11-14; 10000-01-01 in ms
     body = io.BytesIO()
-    schemaless_writer(body, parse_schema(schema), {"user": "u", "day": day, "expires": expires})
+    record = {"user": "u", "day": day, "expires": expires, "seen": TS + 123}
+    schemaless_writer(body, parse_schema(schema), record)
     plan = RoutePlan(
         **{
             **avro_plan("long").__dict__,
-            "fields": ("user", "day", "expires"),
+            "fields": ("user", "day", "expires", "seen"),
             "event_time_field": "day",
             "avro_schema_json": json.dumps(schema),
         }
@@ -217,6 +224,7 @@ def test_verify_reads_avro_times_and_keys_them_as_spark_writes_them():
     for key, expected in [
         (("day",), '"2023-11-14"'),
         (("user", "day"), '{"day":"2023-11-14","user":"u"}'),
+        (("seen",), '"2023-11-14T22:13:20.123Z"'),  # as Spark's to_json writes it, one or more
     ]:
         spec = WindowSpec(
             type="tumbling",
@@ -286,3 +294,23 @@ def test_a_retried_task_that_stages_nothing_removes_what_its_earlier_attempt_sta
     checkpoint = CheckpointDir(tmp_path)
     staged = staging.staged_tables(checkpoint, checkpoint.batch_plan(0))
     assert sum(t.num_rows for t in staged) == 0
+
+
+def test_verify_reads_an_avro_text_event_time_as_the_router_does():
+    plan = avro_plan("string")
+    batch = records(plan, [str(TS), "abc"])
+    _, event_ms, dead, _, _ = classify(plan, batch, 0)
+    spec = WindowSpec(
+        type="tumbling",
+        key=("user",),
+        count_field="n",
+        checkpoint="/nonexistent",
+        size_ms=10_000,
+        event_time_field="ts",
+        format="avro",
+        avro_schema=json.loads(plan.avro_schema_json),
+    )
+    values = batch.column("_value").to_pylist()
+    assert dead.tolist() == [False, True]
+    assert read_event(spec, values[0], 0) == ('"u"', event_ms[0])
+    assert isinstance(read_event(spec, values[1], 0), str)
