@@ -487,7 +487,7 @@ def read_range(
                     if position <= msg.offset() < r.end:
                         columns.add(msg)
                         position = msg.offset() + 1
-                elif err.code() == KafkaError._AUTO_OFFSET_RESET and _log_truncated(err):
+                elif err.code() == KafkaError._AUTO_OFFSET_RESET and _log_truncated(msg):
                     position = _truncated(r, position, err, fail_on_data_loss, checkpoint)
                     break
                 elif err.code() == KafkaError._AUTO_OFFSET_RESET:
@@ -578,6 +578,7 @@ def _out_of_range(
       stalled (READ_STALL_TIMEOUT_S), never as data loss.
     A truncated log, which librdkafka reports with the same error code, never comes here
     (see `_log_truncated`): its leader may hold the offsets again, but not the same records.
+    Its "No epoch found" answer does: a leader that is behind gives it too.
     """
     from confluent_kafka import KafkaException, TopicPartition
 
@@ -624,22 +625,25 @@ def _out_of_range(
     return position
 
 
-def _log_truncated(err) -> bool:
+def _log_truncated(msg) -> bool:
     """Whether an _AUTO_OFFSET_RESET error reports a truncated log, not an offset out of range.
 
     With auto.offset.reset=error librdkafka reports both with that one code: its
     rd_kafka_offset_reset (src/rdkafka_offset.c) gives the application the code, an offset
     and the string "<reason>: <err2str(cause)>", followed by " (broker <id>)" when a broker
-    answered. The cause is RD_KAFKA_RESP_ERR__LOG_TRUNCATION for both truncations that
-    KIP-320's offset validation reports (the leader's log of the read position's leader epoch
-    ends below it; the leader knows no such epoch) and OFFSET_OUT_OF_RANGE for a fetch's
-    answer. The error carries no leader epoch, and its offset is OFFSET_INVALID for one of the
-    truncations but the read position for the other, so the cause's description is the one
-    signal: it is taken from the linked librdkafka itself (KafkaError(code).str() is its
+    answered. KIP-320's offset validation reports two things with the cause
+    RD_KAFKA_RESP_ERR__LOG_TRUNCATION (a fetch's answer has OFFSET_OUT_OF_RANGE):
+    - "Partition log truncation detected": the leader's log of the read position's leader
+      epoch ends below it. The offset is OFFSET_INVALID. This is the truncation.
+    - "No epoch found": the leader knows no epoch as new as the position's (Kafka's
+      LeaderEpochFileCache.endOffsetFor), as a leader that is behind answers. The offset is
+      the position: asked again like an out-of-range answer, never loss at once.
+    The cause's description is taken from the linked librdkafka (KafkaError(code).str() is its
     rd_kafka_err2str), never from the reason's wording, which is free text."""
-    from confluent_kafka import KafkaError
+    from confluent_kafka import OFFSET_INVALID, KafkaError
 
-    return KafkaError(KafkaError._LOG_TRUNCATION).str() in (err.str() or "")
+    truncation = KafkaError(KafkaError._LOG_TRUNCATION).str()
+    return msg.offset() == OFFSET_INVALID and truncation in (msg.error().str() or "")
 
 
 def _truncated(r: OffsetRange, position: int, err, fail: bool, checkpoint) -> int:
