@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from dataclasses import replace
 
 import pyarrow as pa
 import pytest
@@ -36,6 +37,22 @@ def avro_plan(ts_type) -> RoutePlan:
         window_slide_ms=10_000,
         avro_schema_json=json.dumps(schema),
     )
+
+
+def spec_of(plan: RoutePlan, **changes) -> WindowSpec:
+    """verify's spec of the windows `plan` routes records for."""
+    fields = {
+        "type": "tumbling",
+        "key": ("user",),
+        "count_field": "n",
+        "checkpoint": "/nonexistent",
+        "size_ms": plan.window_size_ms,
+        "event_time_field": plan.event_time_field,
+        "format": plan.format,
+        "json_schema": plan.json_schema_ddl,
+        "avro_schema": json.loads(plan.avro_schema_json) if plan.avro_schema_json else None,
+    }
+    return WindowSpec(**(fields | changes))
 
 
 def records(plan: RoutePlan, values: list) -> pa.RecordBatch:
@@ -125,20 +142,7 @@ def _arrow_value(arrow_type, value):
 @pytest.mark.parametrize(("ddl_type", "arrow_type", "value"), JSON_CASES)
 def test_verify_reads_a_json_event_time_as_the_router_does(ddl_type, arrow_type, value):
     ddl = f"user STRING, ts {ddl_type}"
-    plan = RoutePlan(
-        checkpoint="/nonexistent",
-        source="in",
-        format="json",
-        fields=("user", "ts"),
-        required=("user",),
-        event_time_field="ts",
-        dead_letter_topic="dead",
-        late_topic="late",
-        window_type="tumbling",
-        window_size_ms=10_000,
-        window_slide_ms=10_000,
-        json_schema_ddl=ddl,
-    )
+    plan = replace(avro_plan("long"), format="json", avro_schema_json=None, json_schema_ddl=ddl)
     data = pa.StructArray.from_arrays(
         [pa.array(["u"]), _arrow_value(arrow_type, value), pa.array([None], pa.string())],
         names=["user", "ts", "_corrupt_record"],
@@ -149,23 +153,14 @@ def test_verify_reads_a_json_event_time_as_the_router_does(ddl_type, arrow_type,
         names=["_value", "_data", "_timestamp"],
     )
     _, event_ms, dead, _, reasons = classify(plan, batch, 0)
-    spec = WindowSpec(
-        type="tumbling",
-        key=("user",),
-        count_field="n",
-        checkpoint="/nonexistent",
-        size_ms=10_000,
-        event_time_field="ts",
-        json_schema=ddl,
-    )
-    read = read_event(spec, raw, TS)
+    read = read_event(spec_of(plan), raw, TS)
     assert isinstance(read, str) == bool(dead[0]), (reasons, read)
     if not dead[0]:
         assert read[1] == event_ms[0]
 
 
 def test_verify_reads_a_kafka_timestamp_no_event_time_holds_as_the_router_does():
-    plan = RoutePlan(**{**avro_plan("long").__dict__, "event_time_field": None})
+    plan = replace(avro_plan("long"), event_time_field=None)
     too_late = 300_000_000_000_000  # ms: a producer that wrote microseconds
     batch = pa.RecordBatch.from_arrays(
         [
@@ -175,17 +170,8 @@ def test_verify_reads_a_kafka_timestamp_no_event_time_holds_as_the_router_does()
         names=["_value", "_timestamp"],
     )
     _, _, dead, _, _ = classify(plan, batch, 0)
-    spec = WindowSpec(
-        type="tumbling",
-        key=("user",),
-        count_field="n",
-        checkpoint="/nonexistent",
-        size_ms=10_000,
-        format="avro",
-        avro_schema=json.loads(plan.avro_schema_json),
-    )
     assert dead.tolist() == [True]
-    assert isinstance(read_event(spec, batch.column("_value")[0].as_py(), too_late), str)
+    assert isinstance(read_event(spec_of(plan), batch.column("_value")[0].as_py(), too_late), str)
 
 
 def test_verify_reads_avro_times_and_keys_them_as_spark_writes_them():
@@ -206,13 +192,11 @@ def test_verify_reads_avro_times_and_keys_them_as_spark_writes_them():
     body = io.BytesIO()
     record = {"user": "u", "day": day, "expires": expires, "seen": TS + 123}
     schemaless_writer(body, parse_schema(schema), record)
-    plan = RoutePlan(
-        **{
-            **avro_plan("long").__dict__,
-            "fields": ("user", "day", "expires", "seen"),
-            "event_time_field": "day",
-            "avro_schema_json": json.dumps(schema),
-        }
+    plan = replace(
+        avro_plan("long"),
+        fields=("user", "day", "expires", "seen"),
+        event_time_field="day",
+        avro_schema_json=json.dumps(schema),
     )
     batch = pa.RecordBatch.from_arrays(
         [pa.array([body.getvalue()], pa.binary()), pa.array([0], pa.timestamp("us", tz="UTC"))],
@@ -226,17 +210,7 @@ def test_verify_reads_avro_times_and_keys_them_as_spark_writes_them():
         (("user", "day"), '{"day":"2023-11-14","user":"u"}'),
         (("seen",), '"2023-11-14T22:13:20.123Z"'),  # as Spark's to_json writes it, one or more
     ]:
-        spec = WindowSpec(
-            type="tumbling",
-            key=key,
-            count_field="n",
-            checkpoint="/nonexistent",
-            size_ms=10_000,
-            event_time_field="day",
-            format="avro",
-            avro_schema=schema,
-        )
-        read = read_event(spec, body.getvalue(), 0)
+        read = read_event(spec_of(plan, key=key), body.getvalue(), 0)
         assert read == (expected, day * 86_400_000)
 
 
@@ -300,17 +274,7 @@ def test_verify_reads_an_avro_text_event_time_as_the_router_does():
     plan = avro_plan("string")
     batch = records(plan, [str(TS), "abc"])
     _, event_ms, dead, _, _ = classify(plan, batch, 0)
-    spec = WindowSpec(
-        type="tumbling",
-        key=("user",),
-        count_field="n",
-        checkpoint="/nonexistent",
-        size_ms=10_000,
-        event_time_field="ts",
-        format="avro",
-        avro_schema=json.loads(plan.avro_schema_json),
-    )
     values = batch.column("_value").to_pylist()
     assert dead.tolist() == [False, True]
-    assert read_event(spec, values[0], 0) == ('"u"', event_ms[0])
-    assert isinstance(read_event(spec, values[1], 0), str)
+    assert read_event(spec_of(plan), values[0], 0) == ('"u"', event_ms[0])
+    assert isinstance(read_event(spec_of(plan), values[1], 0), str)
