@@ -296,16 +296,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         )
 
     def _data_loss(self, tp: tuple[str, int], what: str, fix: str, lost: int) -> None:
-        """Fail naming the loss, or (failOnDataLoss=false) log it and count `lost` offsets."""
-        message = f"data loss on topic {tp[0]} partition {tp[1]}: {what}"
-        if self.fail_on_data_loss:
-            raise DataLossError(
-                f"{message} Set failOnDataLoss=false to {fix} and continue, or restore the "
-                "input topic."
-            )
-        log.warning("%s Continuing: %s (failOnDataLoss=false).", message, fix)
-        if self.checkpoint is not None and lost:
-            self.checkpoint.add_source_data_loss(*tp, lost)
+        _data_loss(tp, what, fix, lost, self.fail_on_data_loss, self.checkpoint)
 
     def _check_recreated(
         self, starts: dict, changed: set, ids: dict, ids_now: dict, earliest: dict, stable: dict
@@ -652,23 +643,28 @@ def _truncated(r: OffsetRange, position: int, err, fail: bool, checkpoint) -> in
     topic): the records of the range from there on are gone, though the leader may hold the
     offsets again with other records, which the read must not take for them. Fail, or count
     the range's unread offsets and end the range. Returns the new position."""
-    message = (
-        f"data loss on topic {r.topic} partition {r.partition}: its leader's log was truncated "
-        f"while the batch read offsets [{r.start}, {r.end}), at offset {position} (librdkafka: "
-        f"{err.str()}); offsets [{position}, {r.end}) of the batch are gone, and those the "
-        "leader holds again hold other records. An unclean leader election, a broker that "
-        "lost its data or a recreated topic does this: check the topic's "
-        "unclean.leader.election.enable and min.insync.replicas."
+    what = (
+        f"its leader's log was truncated while the batch read offsets [{r.start}, {r.end}), at "
+        f"offset {position} (librdkafka: {err.str()}); offsets [{position}, {r.end}) of the "
+        "batch are gone, and those the leader holds again hold other records. An unclean "
+        "leader election, a broker that lost its data or a recreated topic does this: check "
+        "the topic's unclean.leader.election.enable and min.insync.replicas."
     )
+    fix = "skip the rest of the range"
+    _data_loss((r.topic, r.partition), what, fix, r.end - position, fail, checkpoint)
+    return r.end
+
+
+def _data_loss(tp: TP, what: str, fix: str, lost: int, fail: bool, checkpoint) -> None:
+    """Fail naming the loss, or (failOnDataLoss=false) log it and count `lost` offsets."""
+    message = f"data loss on topic {tp[0]} partition {tp[1]}: {what}"
     if fail:
         raise DataLossError(
-            message + " Set failOnDataLoss=false to skip the rest of the range and continue, "
-            "or restore the input topic."
+            f"{message} Set failOnDataLoss=false to {fix} and continue, or restore the input topic."
         )
-    log.warning("%s Skipping to %d (failOnDataLoss=false).", message, r.end)
-    if checkpoint is not None:
-        checkpoint.add_source_data_loss(r.topic, r.partition, r.end - position)
-    return r.end
+    log.warning("%s Continuing: %s (failOnDataLoss=false).", message, fix)
+    if checkpoint is not None and lost:
+        checkpoint.add_source_data_loss(*tp, lost)
 
 
 def _skip_lost(
@@ -679,16 +675,12 @@ def _skip_lost(
     from confluent_kafka import TopicPartition
 
     resume = low if position < low < r.end and high > low else r.end
-    message = (
-        f"data loss on topic {r.topic} partition {r.partition}: offset {position} of the "
-        f"batch's range [{r.start}, {r.end}) is gone (the broker holds [{low}, {high})); it was "
-        "deleted or the topic was recreated while the batch was read."
+    what = (
+        f"offset {position} of the batch's range [{r.start}, {r.end}) is gone (the broker holds "
+        f"[{low}, {high})); it was deleted or the topic was recreated while the batch was read."
     )
-    if fail:
-        raise DataLossError(message + " Set failOnDataLoss=false to skip gone offsets.")
-    log.warning("%s Skipping to %d (failOnDataLoss=false).", message, resume)
-    if checkpoint is not None:
-        checkpoint.add_source_data_loss(r.topic, r.partition, resume - position)
+    fix = f"skip the gone offsets to {resume}"
+    _data_loss((r.topic, r.partition), what, fix, resume - position, fail, checkpoint)
     consumer.assign([TopicPartition(r.topic, r.partition, resume)])
     return resume
 
