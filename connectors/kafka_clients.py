@@ -521,7 +521,9 @@ def _list_offsets(
     tps: Iterable[TP],
     spec: OffsetSpec,
     isolation: IsolationLevel = IsolationLevel.READ_COMMITTED,
-) -> dict[TP, int]:
+) -> dict[TP, tuple[int, int | None]]:
+    """Each partition's offset for `spec` and the leader epoch it was answered in (None from
+    a broker that gives none)."""
     request = {TopicPartition(t, p): spec for t, p in tps}
     if not request:
         return {}
@@ -529,8 +531,8 @@ def _list_offsets(
         request, isolation_level=isolation, request_timeout=offsets_attempt_timeout_s()
     )
     try:
-        offsets = {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
-        return _every_offset_answered(offsets)
+        answers = {(tp.topic, tp.partition): f.result() for tp, f in futures.items()}
+        return _every_offset_answered({tp: (a.offset, a.leader_epoch) for tp, a in answers.items()})
     except KafkaException as exc:
         # 1. The admin client sends each partition's request to the leader in its metadata
         #    cache, refreshed only every few minutes: after a broker died, every retry would
@@ -547,11 +549,13 @@ def _list_offsets(
         raise
 
 
-def _every_offset_answered(offsets: dict[TP, int]) -> dict[TP, int]:
-    """`offsets`, if each is an offset: librdkafka (2.15, `ListOffsets_response_merge`) can
+def _every_offset_answered(
+    listed: dict[TP, tuple[int, int | None]],
+) -> dict[TP, tuple[int, int | None]]:
+    """`listed`, if each is an offset: librdkafka (2.15, `ListOffsets_response_merge`) can
     leave a partition whose leader did not answer with no error and offset -1001 (no offset),
     which the source must never plan with. Retried like a leader that did not answer."""
-    unanswered = sorted(tp for tp, offset in offsets.items() if offset < 0)
+    unanswered = sorted(tp for tp, (offset, _) in listed.items() if offset < 0)
     if unanswered:
         raise _marked_retriable(
             KafkaError(
@@ -559,7 +563,7 @@ def _every_offset_answered(offsets: dict[TP, int]) -> dict[TP, int]:
                 f"no offset in the answer for {', '.join(f'{t}[{p}]' for t, p in unanswered)}",
             )
         )
-    return offsets
+    return listed
 
 
 def _away_from_a_silent_controller(
@@ -655,7 +659,7 @@ def _marked_retriable(error: KafkaError) -> KafkaException:
 
 def earliest(conf: dict[str, str], tps: Iterable[TP]) -> dict[TP, int]:
     """The first offset still stored for each partition (retention moves it forward)."""
-    return _list_offsets(conf, tps, OffsetSpec.earliest())
+    return {tp: o for tp, (o, _) in _list_offsets(conf, tps, OffsetSpec.earliest()).items()}
 
 
 def stable_ends(conf: dict[str, str], tps: Iterable[TP]) -> dict[TP, int]:
@@ -663,12 +667,22 @@ def stable_ends(conf: dict[str, str], tps: Iterable[TP]) -> dict[TP, int]:
 
     A batch ending here never waits on somebody else's open transaction.
     """
+    return {tp: o for tp, (o, _) in stable_ends_and_epochs(conf, tps).items()}
+
+
+def stable_ends_and_epochs(
+    conf: dict[str, str], tps: Iterable[TP]
+) -> dict[TP, tuple[int, int | None]]:
+    """Each partition's last stable offset and its leader's epoch in the same answer: the
+    offset is in the log of that epoch, which is what a reader validates it against later
+    (KIP-320; see offsets.LEADER_EPOCHS)."""
     return _list_offsets(conf, tps, OffsetSpec.latest())
 
 
 def high_watermarks(conf: dict[str, str], tps: Iterable[TP]) -> dict[TP, int]:
     """The end of each partition's log, open transactions included."""
-    return _list_offsets(conf, tps, OffsetSpec.latest(), IsolationLevel.READ_UNCOMMITTED)
+    listed = _list_offsets(conf, tps, OffsetSpec.latest(), IsolationLevel.READ_UNCOMMITTED)
+    return {tp: o for tp, (o, _) in listed.items()}
 
 
 def range_consumer(conf: dict[str, str]) -> Consumer:

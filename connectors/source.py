@@ -56,6 +56,7 @@ FETCH_RENEW_MAX_S = 16.0
 BEHIND_LEADER_WAIT_S = 30.0
 BEHIND_LEADER_RETRY_S = 0.5
 LOOKUP_ATTEMPTS = 3
+SEEK_WAIT_S = 10.0  # for a consumer to take its assignment (see _fetch_from)
 # The first epochs a process plans take 1/16, then 1/4 of maxOffsetsPerTrigger, then all of it.
 RAMP_SHARES = (16, 4)
 MIN_TASK_RECORDS = 1_000  # an epoch's offsets per read task at least (see plan_tasks)
@@ -63,12 +64,16 @@ MIN_TASK_RECORDS = 1_000  # an epoch's offsets per read task at least (see plan_
 
 @dataclass(frozen=True)
 class OffsetRange:
-    """`[start, end)` of one topic-partition."""
+    """`[start, end)` of one topic-partition, and the leader epochs the offset log has for
+    `start` and `end` (None: not known, nothing validated): a read validates `start`
+    against `start_epoch` before it takes a record (see `_fetch_from`)."""
 
     topic: str
     partition: int
     start: int
     end: int
+    start_epoch: int | None = None
+    end_epoch: int | None = None
 
     @property
     def size(self) -> int:
@@ -149,14 +154,16 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 "was renamed or added since. Restore its name, or start with a new checkpoint "
                 "location."
             )
-        tps, ids, earliest, stable = self._look_up_once()
+        tps, ids, earliest, stable, epochs = self._look_up_once()
         if isinstance(self.starting, dict):
             starts = self._specific_offsets(tps, self.starting)
         elif self.starting == "earliest":
             starts = earliest
         else:
             starts = stable
-        chosen = offsets.logged(starts, ids, input_name=self._tag)
+        # Each offset from the earliest to the stable end was in the log of the leader's epoch.
+        in_log = {tp: epochs[tp] for tp, o in starts.items() if earliest[tp] <= o <= stable[tp]}
+        chosen = offsets.logged(starts, ids, input_name=self._tag, epochs=in_log)
         if self.checkpoint is not None:
             self.checkpoint.save_initial_offsets(chosen, self.input_name)
         return chosen
@@ -192,7 +199,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """
         self._check_input(start)
         starts, ids = offsets.positions(start), offsets.topic_ids(start)
-        tps, ids_now, earliest, stable = self._look_up(starts, ids)
+        tps, ids_now, earliest, stable, epochs = self._look_up(starts, ids)
         retired = offsets.retired_ids(start)
         stale = {t for t, i in ids_now.items() if i in retired.get(t, [])}
         if stale:  # held at their offsets this batch, as unlisted partitions are
@@ -225,6 +232,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             {t: i for t, i in (ids | ids_now).items() if t in read_topics},
             {t: r for t, r in retired.items() if t in read_topics},
             self._tag,
+            _end_epochs(start, end, epochs),
         )
 
     def _check_input(self, *logged: dict) -> None:
@@ -244,7 +252,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _look_up(
         self, starts: dict[TP, int], ids: dict[str, str]
-    ) -> tuple[list[TP], dict, dict[TP, int], dict[TP, int]]:
+    ) -> tuple[list[TP], dict, dict[TP, int], dict[TP, int], dict[TP, int | None]]:
         """What `_look_up_once` answers, asked again while a partition's log seems to end
         below the offset the query expects next under the same topic id, up to
         BEHIND_LEADER_WAIT_S: that is how a leader that lost its partitions while paused
@@ -252,7 +260,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for offsets that went backwards (`_check_rewound`)."""
         since = time.monotonic()
         while True:
-            tps, ids_now, earliest, stable = self._look_up_once()
+            tps, ids_now, earliest, stable, epochs = self._look_up_once()
             behind = sorted(
                 tp
                 for tp, offset in starts.items()
@@ -260,7 +268,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             )
             waited = time.monotonic() - since
             if not behind or waited >= BEHIND_LEADER_WAIT_S:
-                return tps, ids_now, earliest, stable
+                return tps, ids_now, earliest, stable, epochs
             if waited < BEHIND_LEADER_RETRY_S:  # said once per wait
                 log.warning(
                     "the log of %s ends below the offset the query expects next (%s); asking "
@@ -271,21 +279,25 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 )
             time.sleep(BEHIND_LEADER_RETRY_S)
 
-    def _look_up_once(self) -> tuple[list[TP], dict, dict[TP, int], dict[TP, int]]:
-        """The partitions, topic ids, earliest and stable offsets to plan with, all of one
-        incarnation of each topic: the ids are read before and after the offsets, and all
-        again if a topic was recreated in between. A topic deleted since the metadata answer
-        is left out (its partitions are held at their offsets, as unlisted ones are)."""
+    def _look_up_once(
+        self,
+    ) -> tuple[list[TP], dict, dict[TP, int], dict[TP, int], dict[TP, int | None]]:
+        """The partitions, topic ids, earliest and stable offsets to plan with, and the leader
+        epoch each stable offset was answered in, all of one incarnation of each topic: the
+        ids are read before and after the offsets, and all again if a topic was recreated in
+        between. A topic deleted since the metadata answer is left out (its partitions are
+        held at their offsets, as unlisted ones are)."""
         for attempt in range(LOOKUP_ATTEMPTS):
             time.sleep(0.5 * attempt)
             tps = self._partitions_now()
             ids = kafka_clients.topic_ids(self.conf, {t for t, _ in tps})
             tps = [tp for tp in tps if tp[0] in ids]
             earliest = kafka_clients.earliest(self.conf, tps)
-            stable = kafka_clients.stable_ends(self.conf, tps)
+            listed = kafka_clients.stable_ends_and_epochs(self.conf, tps)
             again = kafka_clients.topic_ids(self.conf, ids)
             if again == ids:
-                return tps, ids, earliest, stable
+                stable = {tp: offset for tp, (offset, _) in listed.items()}
+                return tps, ids, earliest, stable, {tp: e for tp, (_, e) in listed.items()}
             moved = sorted(t for t in ids if again.get(t) != ids[t])
             log.warning("the ids of topic(s) %s changed while the batch was planned", moved)
         raise OnceflowError(
@@ -394,11 +406,15 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._check_input(start, end)
         starts = offsets.positions(start)
         start_ids, end_ids = offsets.topic_ids(start), offsets.topic_ids(end)
+        start_epochs, end_epochs = offsets.leader_epochs(start), offsets.leader_epochs(end)
         ranges = []
         for (t, p), e in offsets.positions(end).items():
             old, new = start_ids.get(t), end_ids.get(t)
             restarted = old is not None and new is not None and old != new
-            ranges.append(OffsetRange(t, p, e if restarted else starts.get((t, p), e), e))
+            first = e if restarted else starts.get((t, p), e)
+            ranges.append(
+                OffsetRange(t, p, first, e, start_epochs.get((t, p)), end_epochs.get((t, p)))
+            )
         retired = offsets.retired_ids(end)
         return plan_tasks(self._of_logged_topics(ranges, end_ids, retired), self.parallelism)
 
@@ -460,7 +476,7 @@ def read_range(
 
     consumer = kafka_clients.range_consumer(conf)
     tp = TopicPartition(r.topic, r.partition, r.start)
-    consumer.assign([tp])
+    _fetch_from(consumer, r, r.start)
     columns = _Columns()
     position = r.start
     last_progress = time.monotonic()
@@ -531,7 +547,6 @@ def _from_a_new_consumer(
     same hung broker (librdkafka asks the broker it last sent to). Kafka moves a silent
     node's partitions after its session timeout; a new consumer learns that from a broker
     that answers. A slow broker costs only a reconnection. Said once per stall (`first`)."""
-    from confluent_kafka import TopicPartition
 
     (log.warning if first else log.info)(
         "reading %s[%d]: no record for %.1f s at offset %d, though the batch was planned with "
@@ -544,8 +559,50 @@ def _from_a_new_consumer(
         r.end,
     )
     consumer = kafka_clients.renewed_range_consumer(conf, stale)
-    consumer.assign([TopicPartition(r.topic, r.partition, position)])
+    _fetch_from(consumer, r, position)
     return consumer
+
+
+def _fetch_from(consumer, r: OffsetRange, position: int) -> None:
+    """Have `consumer` fetch `r`'s partition from `position`, validated first against the
+    leader epoch the offset log has for it (KIP-320): its leader answers where its log of
+    that epoch ends, and a log that ends below `position` was truncated since the batch was
+    planned (or since the last one, for its start), though it may have grown back past it
+    with other records. librdkafka reports that as `_log_truncated`.
+
+    `start_epoch` is for `start` alone; any offset up to `end` was in the log of `end_epoch`
+    (that of the stable end it was planned from). librdkafka validates on a seek only, never
+    on an assignment, and refuses a seek until the assignment has reached the partition
+    (_STATE; _PREV_IN_PROGRESS while an earlier read's unassignment ends): the seek is asked
+    again meanwhile. What the fetch took before the seek is dropped (its op version is
+    older)."""
+    from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+    consumer.assign([TopicPartition(r.topic, r.partition, position)])
+    epoch = r.start_epoch if position == r.start and r.start_epoch is not None else r.end_epoch
+    if epoch is None:  # planned by a build that kept no epochs
+        return
+    deadline = time.monotonic() + SEEK_WAIT_S
+    while True:
+        try:
+            consumer.seek(TopicPartition(r.topic, r.partition, position, leader_epoch=epoch))
+            return
+        except KafkaException as exc:
+            code = exc.args[0].code()
+            if code not in (KafkaError._STATE, KafkaError._PREV_IN_PROGRESS):
+                raise
+            if time.monotonic() > deadline:
+                raise KafkaException(
+                    KafkaError(
+                        code,
+                        f"reading {r.topic}[{r.partition}]: the consumer refused to seek to "
+                        f"offset {position} for {SEEK_WAIT_S:.0f} s after it was assigned "
+                        f"({exc.args[0].str()}); the task is retried: if this repeats, restart "
+                        "the pipeline and report it",
+                        retriable=True,
+                    )
+                ) from exc
+            time.sleep(0.001)
 
 
 def _out_of_range(
@@ -612,7 +669,7 @@ def _out_of_range(
             BEHIND_LEADER_WAIT_S,
         )
     time.sleep(BEHIND_LEADER_RETRY_S)  # a stale broker may answer the next fetch too
-    consumer.assign([TopicPartition(r.topic, r.partition, position)])
+    _fetch_from(consumer, r, position)
     return position
 
 
@@ -631,10 +688,11 @@ def _log_truncated(msg) -> bool:
       the position: asked again like an out-of-range answer, never loss at once.
     The cause's description is taken from the linked librdkafka (KafkaError(code).str() is its
     rd_kafka_err2str), never from the reason's wording, which is free text."""
-    from confluent_kafka import OFFSET_INVALID, KafkaError
+    from confluent_kafka import KafkaError
 
     truncation = KafkaError(KafkaError._LOG_TRUNCATION).str()
-    return msg.offset() == OFFSET_INVALID and truncation in (msg.error().str() or "")
+    # Message.offset() is None for a negative offset, OFFSET_INVALID included.
+    return msg.offset() is None and truncation in (msg.error().str() or "")
 
 
 def _truncated(r: OffsetRange, position: int, err, fail: bool, checkpoint) -> int:
@@ -672,7 +730,6 @@ def _skip_lost(
 ) -> int:
     """Offset `position` of the range is gone: fail, or count the gone offsets and go on
     from the first one still stored (the range's end if none is). Returns the new position."""
-    from confluent_kafka import TopicPartition
 
     resume = low if position < low < r.end and high > low else r.end
     what = (
@@ -681,7 +738,7 @@ def _skip_lost(
     )
     fix = f"skip the gone offsets to {resume}"
     _data_loss((r.topic, r.partition), what, fix, resume - position, fail, checkpoint)
-    consumer.assign([TopicPartition(r.topic, r.partition, resume)])
+    _fetch_from(consumer, r, resume)
     return resume
 
 
@@ -728,6 +785,21 @@ class _Columns:
             ],
             names=SOURCE_COLUMNS,
         )
+
+
+def _end_epochs(
+    start: dict, end: dict[TP, int], epochs: dict[TP, int | None]
+) -> dict[TP, int | None]:
+    """The leader epoch to log with each end offset of a batch. An end that moved was in the
+    log of the epoch its look-up answered in: every offset up to the stable end is. One that
+    did not move keeps the epoch it had, so that the batch that reads on from it validates
+    it against the log it was planned in, however many batches later: a log truncated
+    meanwhile (an unclean leader election) and grown back past it is still seen."""
+    before, before_epochs = offsets.positions(start), offsets.leader_epochs(start)
+    return {
+        tp: before_epochs.get(tp) if before.get(tp) == offset else epochs.get(tp)
+        for tp, offset in end.items()
+    }
 
 
 def ramp_limit(limit: ReadLimit, epochs_planned: int) -> ReadLimit:
@@ -778,7 +850,8 @@ def plan_tasks(
         start = r.start
         while start < r.end:
             end = min(r.end, start + room)
-            current.append(OffsetRange(r.topic, r.partition, start, end))
+            epoch = r.start_epoch if start == r.start else r.end_epoch
+            current.append(OffsetRange(r.topic, r.partition, start, end, epoch, r.end_epoch))
             room -= end - start
             start = end
             if room == 0:  # this share is full

@@ -116,14 +116,19 @@ class LocalCluster:
         )
         return self.bootstrap
 
-    def start_node(self, node_id: int, progress: Callable[[str], None] = print) -> None:
+    def start_node(
+        self, node_id: int, progress: Callable[[str], None] = print, in_sync: bool = True
+    ) -> None:
         """Start one node again (after `stop_node` or a kill), with its data as it was, or
-        empty (re-replicated from the others) if its data directory is gone."""
+        empty (re-replicated from the others) if its data directory is gone; then wait until
+        every replica is in sync (`in_sync`), or only until it is a broker of the cluster
+        (a partition whose other replicas are stopped never gets in sync)."""
         node = self.node(node_id)
         pid, _ = node.launch(progress, self._cluster_id())
         node._wait_ready(pid, progress)
         self.wait_for_brokers(len(self.running()), progress)
-        self.wait_in_sync(progress)
+        if in_sync:
+            self.wait_in_sync(progress)
 
     def stop(self, progress: Callable[[str], None] = print) -> bool:
         """Stop every node at once (cleanly, SIGKILL after 30 s); True if one was running.

@@ -456,6 +456,75 @@ def test_a_read_answered_by_a_leader_that_was_paused_waits_for_its_records_not_s
 ATTEMPTS_TO_REACH_A_PAUSED_LEADER = 3
 
 
+@pytest.mark.parametrize("fail_on_data_loss", [True, False])
+def test_a_log_an_unclean_election_truncated_and_that_grew_back_past_the_checkpoint_is_loss(
+    cluster, spark, tmp_path, fail_on_data_loss
+):
+    """A partition on nodes 1 and 2 that takes writes with one replica and may elect an
+    out-of-sync one (unclean.leader.election.enable, min.insync.replicas 1, as some users
+    run Kafka): node 2 stops, 10 records go to node 1 and the query reads them; node 1
+    stops, node 2 is elected with none of them, and producers write 15 others. The log holds
+    offset 10 again, so the offsets alone say nothing was lost, and the query read on from
+    10 over records that are not what it read before: the old records 0-9 were processed,
+    the new ones at offsets 0-9 never are. With the leader epoch logged beside offset 10
+    the next batch's read sees the truncation: the query fails, or (failOnDataLoss=false)
+    counts the batch's range and skips it."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from tests.helpers import drain, source_reader
+
+    topic = f"unclean-{uuid.uuid4().hex[:10]}"
+    settings = {"unclean.leader.election.enable": "true", "min.insync.replicas": "1"}
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap})
+    new = NewTopic(topic, num_partitions=1, replica_assignment=[[1, 2]], config=settings)
+    admin.create_topics([new])[topic].result()
+    wait_until(lambda: _isr(cluster.bootstrap, topic) == [1, 2], 30, "both replicas in sync")
+    cluster.node(2).stop(progress=print)
+    wait_until(lambda: _isr(cluster.bootstrap, topic) == [1], 60, "node 2 out of the ISR")
+    _write(cluster.bootstrap, topic, [b"old-%d" % i for i in range(10)])
+    checkpoint = str(tmp_path / "ck")
+    options = {"failOnDataLoss": str(fail_on_data_loss).lower(), "checkpointLocation": checkpoint}
+    rows, _ = drain(source_reader(spark, cluster.bootstrap, topic, **options), checkpoint)
+    assert [(r.offset, r.value) for r in rows] == [(i, b"old-%d" % i) for i in range(10)]
+
+    cluster.node(1).stop(progress=print)
+    cluster.start_node(2, progress=print, in_sync=False)
+    wait_until(lambda: _leaders(cluster.bootstrap, topic).get(0) == 2, 60, "node 2 elected")
+    _write(cluster.bootstrap, topic, [b"new-%d" % i for i in range(15)])
+    # The scenario holds: offset 10 is in the log again, with another record.
+    assert kafka_clients.stable_ends({"bootstrap.servers": cluster.bootstrap}, [(topic, 0)]) == {
+        (topic, 0): 15
+    }
+
+    reader = source_reader(spark, cluster.bootstrap, topic, **options)
+    if fail_on_data_loss:
+        with pytest.raises(Exception, match=r"data loss on topic .* log was truncated"):
+            drain(reader, checkpoint)
+        return
+    rows, _ = drain(reader, checkpoint)
+    assert rows == []  # not new-10 to new-14 as if they followed old-9
+    assert CheckpointDir(checkpoint).source_stats() == {(topic, 0): 5}
+
+
+def _isr(bootstrap: str, topic: str) -> list[int]:
+    """The in-sync replicas of partition 0 of `topic` (none while the answering broker does
+    not know the partition yet)."""
+    from confluent_kafka.admin import AdminClient
+
+    meta = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=10)
+    partition = meta.topics[topic].partitions.get(0)
+    return sorted(partition.isrs) if partition is not None else []
+
+
+def _write(bootstrap: str, topic: str, values: list[bytes]) -> None:
+    """`values` to partition 0, acknowledged by the in-sync replicas, without transactions or
+    idempotence (a new producer id needs the active controller, which may be stopped)."""
+    writer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": False})
+    for value in values:
+        writer.produce(topic, value=value, partition=0)
+    assert writer.flush(30) == 0
+
+
 def _waited_for(condition, timeout_s: float) -> bool:
     """Whether `condition` held within `timeout_s` (polled)."""
     try:

@@ -440,7 +440,7 @@ def test_a_batch_replayed_after_its_topic_was_recreated_reads_nothing_of_the_new
     assert checkpoint.source_stats() == {(topic, 0): 50}
     assert reader.partitions(end, restart) == []
     (task,) = reader.partitions(restart, reader.latestOffset(restart, ReadAllAvailable()))
-    assert task.ranges == (OffsetRange(topic, 0, 0, 80),)  # every new record, once
+    assert task.ranges == (OffsetRange(topic, 0, 0, 80, 0, 0),)  # every new record, once
 
 
 def test_a_read_never_delivers_an_offset_outside_its_range(
@@ -496,8 +496,9 @@ def test_a_new_partition_starts_in_the_offset_log_before_it_is_read(kafka_bootst
     start = {topic: {"0": 1}}
     end = reader.latestOffset(start, ReadAllAvailable())
     assert offsets.positions(end) == {(topic, 0): 4, (topic, 1): 0}
+    assert offsets.leader_epochs(end) == {(topic, 0): 0, (topic, 1): 0}  # of one broker
     (task,) = reader.partitions(start, end)
-    assert task.ranges == (OffsetRange(topic, 0, 1, 4),)
+    assert task.ranges == (OffsetRange(topic, 0, 1, 4, None, 0),)  # `start` has no epochs
     after = reader.latestOffset(end, ReadAllAvailable())
     assert offsets.positions(after) == {(topic, 0): 4, (topic, 1): 6}
 

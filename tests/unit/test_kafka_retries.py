@@ -48,7 +48,7 @@ class StandInAdmin:
             if isinstance(answer, KafkaError):
                 future.set_exception(KafkaException(answer))
             else:
-                future.set_result(type("Offset", (), {"offset": answer})())
+                future.set_result(type("Offset", (), {"offset": answer, "leader_epoch": 0})())
             futures[tp] = future
         return futures
 

@@ -130,23 +130,37 @@ def test_planning_looks_up_again_when_a_topic_is_recreated_meanwhile(monkeypatch
 
     answers = iter([{"t": "old"}, {"t": "new"}, {"t": "new"}, {"t": "new"}])
     monkeypatch.setattr(kafka_clients, "topic_ids", lambda conf, topics: next(answers))
-    ends = iter([{("t", 0): 900}, {("t", 0): 7}])
+    ends = iter([{("t", 0): (900, 4)}, {("t", 0): (7, 0)}])
     monkeypatch.setattr(kafka_clients, "earliest", lambda conf, tps: {tp: 0 for tp in tps})
-    monkeypatch.setattr(kafka_clients, "stable_ends", lambda conf, tps: next(ends))
+    monkeypatch.setattr(kafka_clients, "stable_ends_and_epochs", lambda conf, tps: next(ends))
     reader = KafkaStreamReader({"kafka.bootstrap.servers": "x:1", "subscribe": "t"})
     monkeypatch.setattr(reader, "_partitions_now", lambda: [("t", 0)])
-    assert reader._look_up_once() == ([("t", 0)], {"t": "new"}, {("t", 0): 0}, {("t", 0): 7})
+    assert reader._look_up_once() == (
+        [("t", 0)],
+        {"t": "new"},
+        {("t", 0): 0},
+        {("t", 0): 7},
+        {("t", 0): 0},
+    )
+
+
+LEADER_EPOCH = 3
 
 
 def _reader_over(monkeypatch, answers: list[dict], stable: int = 90, **options: str):
-    """A reader of topic t whose broker answers topic ids from `answers`, one per call."""
+    """A reader of topic t whose broker answers topic ids from `answers`, one per call, and
+    stable ends `stable` in leader epoch LEADER_EPOCH."""
     from onceflow.connectors import kafka_clients
     from onceflow.connectors.source import KafkaStreamReader
 
     queue = iter(answers)
     monkeypatch.setattr(kafka_clients, "topic_ids", lambda conf, topics: next(queue))
     monkeypatch.setattr(kafka_clients, "earliest", lambda conf, tps: {tp: 0 for tp in tps})
-    monkeypatch.setattr(kafka_clients, "stable_ends", lambda conf, tps: {tp: stable for tp in tps})
+    monkeypatch.setattr(
+        kafka_clients,
+        "stable_ends_and_epochs",
+        lambda conf, tps: {tp: (stable, LEADER_EPOCH) for tp in tps},
+    )
     reader = KafkaStreamReader(
         {"kafka.bootstrap.servers": "x:1", "subscribe": "t", "failOnDataLoss": "false", **options}
     )
@@ -194,8 +208,8 @@ def test_a_log_that_seems_to_end_behind_the_query_is_asked_again_before_it_is_a_
     monkeypatch.setattr(source, "BEHIND_LEADER_RETRY_S", 0.0)
     start = offsets.logged({("t", 0): 15}, {"t": "A"})
     reader = _reader_over(monkeypatch, [{"t": "A"}] * 4)  # ids before and after each look-up
-    ends = iter([{("t", 0): 10}, {("t", 0): 20}])  # the paused leader's, then the new one's
-    monkeypatch.setattr(kafka_clients, "stable_ends", lambda conf, tps: next(ends))
+    ends = iter([{("t", 0): (10, 2)}, {("t", 0): (20, 3)}])  # the paused leader's, the new one's
+    monkeypatch.setattr(kafka_clients, "stable_ends_and_epochs", lambda conf, tps: next(ends))
     end = reader.latestOffset(start, ReadAllAvailable())
     assert offsets.positions(end) == {("t", 0): 20}
 
@@ -213,7 +227,7 @@ def test_the_first_epochs_a_process_plans_take_a_share_of_the_limit_then_the_who
     tps = [("t", 0), ("t", 1)]
     backlog = {("t", 0): 0, ("t", 1): 0}
     stable = {("t", 0): 100_000, ("t", 1): 100_000}
-    reader._look_up_once = lambda: (tps, {"t": "id"}, backlog, dict(stable))
+    reader._look_up_once = lambda: (tps, {"t": "id"}, backlog, dict(stable), {})
 
     def planned(start: dict, limit: int) -> dict:
         end = offsets.positions(reader.latestOffset(start, ReadMaxRows(limit)))
@@ -259,7 +273,7 @@ def test_a_querys_only_input_writes_offsets_as_before(monkeypatch):
 
     reader = _reader_over(monkeypatch, [{"t": "A"}, {"t": "A"}])
     end = reader.latestOffset(offsets.logged({("t", 0): 30}, {"t": "A"}), ReadAllAvailable())
-    assert end == {"t": {"0": 90}, "@topicIds": {"t": "A"}}
+    assert end == {"t": {"0": 90}, "@topicIds": {"t": "A"}, "@leaderEpochs": {"t": {"0": 3}}}
 
 
 def test_a_named_input_without_initial_offsets_refuses_once_batch_0_was_planned(
@@ -293,6 +307,48 @@ def test_available_now_drains_a_partition_the_look_up_at_its_start_missed(monkey
     start = offsets.logged({("t", 0): 10, ("t", 1): 10}, {"t": "A"})
     end = reader.latestOffset(start, ReadAllAvailable())
     assert offsets.positions(end) == {("t", 0): 50, ("t", 1): 50}
-    more = {("t", 0): 80, ("t", 1): 80}  # produced after the run started: not drained
-    monkeypatch.setattr(kafka_clients, "stable_ends", lambda conf, tps: more)
+    more = {("t", 0): (80, 3), ("t", 1): (80, 3)}  # produced after the run started: not drained
+    monkeypatch.setattr(kafka_clients, "stable_ends_and_epochs", lambda conf, tps: more)
     assert offsets.positions(reader.latestOffset(end, ReadAllAvailable())) == offsets.positions(end)
+
+
+def test_an_end_that_moved_logs_its_answers_leader_epoch_and_one_that_did_not_keeps_its_own(
+    monkeypatch,
+):
+    """KIP-320: the offset log keeps with each end offset the epoch of the leader whose log
+    held it, and the batch that reads on from it validates it against that epoch. An end
+    that did not move keeps the epoch it was planned in: a partition held back while its
+    log was truncated (an unclean election) and grew back would otherwise be validated
+    against the new log, which holds the offset again with other records."""
+    from onceflow.connectors import offsets
+
+    start = offsets.logged(
+        {("t", 0): 30, ("t", 1): 90}, {"t": "A"}, epochs={("t", 0): 1, ("t", 1): 1}
+    )
+    reader = _reader_over(monkeypatch, [{"t": "A"}] * 3)  # stable ends 90 in epoch 3
+    monkeypatch.setattr(reader, "_partitions_now", lambda: [("t", 0), ("t", 1)])
+    end = reader.latestOffset(start, ReadAllAvailable())
+    assert offsets.positions(end) == {("t", 0): 90, ("t", 1): 90}
+    assert offsets.leader_epochs(end) == {("t", 0): LEADER_EPOCH, ("t", 1): 1}
+
+    (task,) = reader.partitions(start, end)
+    assert task.ranges == (OffsetRange("t", 0, 30, 90, 1, LEADER_EPOCH),)  # validated from 1
+
+
+def test_a_share_that_starts_inside_a_range_validates_against_the_ranges_end_epoch():
+    """Only the range's start is known in its start epoch; every offset up to its end was
+    in the log of the end's epoch (a start epoch for an offset past that epoch's end would
+    be taken for a truncation)."""
+    first, second = plan_tasks([OffsetRange("t", 0, 0, 4_000, 1, 3)], 2)
+    assert first.ranges == (OffsetRange("t", 0, 0, 2_000, 1, 3),)
+    assert second.ranges == (OffsetRange("t", 0, 2_000, 4_000, 3, 3),)
+
+
+def test_initial_offsets_in_the_log_carry_its_leader_epoch(monkeypatch):
+    from onceflow.connectors import offsets
+
+    reader = _reader_over(monkeypatch, [{"t": "A"}] * 2, startingOffsets="earliest")
+    assert offsets.leader_epochs(reader.initialOffset()) == {("t", 0): LEADER_EPOCH}
+    outside = {"t": {"0": 95}}  # past the log's end: in no epoch's log yet
+    reader = _reader_over(monkeypatch, [{"t": "A"}] * 2, startingOffsets=json.dumps(outside))
+    assert offsets.leader_epochs(reader.initialOffset()) == {}

@@ -3,7 +3,7 @@ that replays librdkafka's events: records, and the errors it reports as _AUTO_OF
 under auto.offset.reset=error (the range consumer's setting)."""
 
 import pytest
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 
 from onceflow.connectors import kafka_clients, source
 from onceflow.connectors.checkpoint import CheckpointDir
@@ -21,7 +21,7 @@ class _Message:
         return self._err
 
     def offset(self):
-        return self._offset
+        return None if self._offset < 0 else self._offset  # as confluent_kafka's Message does
 
     def key(self):
         return b"k"
@@ -83,10 +83,18 @@ class FakeConsumer:
         self.calls = 0
         self.pos = 0
         self.assigned: list[int] = []
+        self.seeks: list[tuple[int, int]] = []  # (offset, leader epoch) of each seek taken
+        self.refusals = 0  # seeks to refuse first, as before the assignment reached librdkafka
 
     def assign(self, tps):
         self.pos = tps[0].offset
         self.assigned.append(self.pos)
+
+    def seek(self, tp):
+        if self.refusals:
+            self.refusals -= 1
+            raise KafkaException(KafkaError(KafkaError._STATE))
+        self.seeks.append((tp.offset, tp.leader_epoch))
 
     def unassign(self):
         pass
@@ -166,3 +174,22 @@ def test_an_answer_from_a_broker_behind_the_leader_still_reads_on(consumer_of, e
     batches = list(read_range({}, OffsetRange(TOPIC, 0, 0, 200), fail_on_data_loss=True))
     assert _offsets(batches) == list(range(200))
     assert consumer.assigned == [0, 100]
+
+
+def test_a_read_validates_its_start_in_the_start_epoch_and_later_positions_in_the_end_epoch(
+    consumer_of,
+):
+    """KIP-320: the leader is asked where its log of the offset's epoch ends before a record
+    is taken (librdkafka does so on a seek, never on an assignment). The range's start was
+    in the log of `start_epoch`; every offset up to its end in the log of `end_epoch`."""
+    consumer = consumer_of(FakeConsumer(OUT_OF_RANGE))
+    consumer.refusals = 2  # the assignment has not reached the partition yet: asked again
+    batches = list(read_range({}, OffsetRange(TOPIC, 0, 0, 200, 1, 3), fail_on_data_loss=True))
+    assert _offsets(batches) == list(range(200))
+    assert consumer.seeks == [(0, 1), (100, 3)]
+
+
+def test_a_range_planned_without_epochs_is_read_without_validation(consumer_of):
+    consumer = consumer_of(FakeConsumer(OUT_OF_RANGE))
+    assert _offsets(read_range({}, OffsetRange(TOPIC, 0, 0, 200), True)) == list(range(200))
+    assert consumer.seeks == []
