@@ -10,6 +10,7 @@ each topic's id beside them (see `offsets`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -56,7 +57,7 @@ FETCH_RENEW_MAX_S = 16.0
 BEHIND_LEADER_WAIT_S = 30.0
 BEHIND_LEADER_RETRY_S = 0.5
 LOOKUP_ATTEMPTS = 3
-SEEK_WAIT_S = 10.0  # for a consumer to take its assignment (see _fetch_from)
+SEEK_WAIT_S = 2.0  # for a consumer to take its assignment (see _fetch_from)
 # The first epochs a process plans take 1/16, then 1/4 of maxOffsetsPerTrigger, then all of it.
 RAMP_SHARES = (16, 4)
 MIN_TASK_RECORDS = 1_000  # an epoch's offsets per read task at least (see plan_tasks)
@@ -162,7 +163,11 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         else:
             starts = stable
         # Each offset from the earliest to the stable end was in the log of the leader's epoch.
-        in_log = {tp: epochs[tp] for tp, o in starts.items() if earliest[tp] <= o <= stable[tp]}
+        in_log = {
+            tp: epochs[tp]
+            for tp, o in starts.items()
+            if tp in stable and earliest[tp] <= o <= stable[tp]
+        }
         chosen = offsets.logged(starts, ids, input_name=self._tag, epochs=in_log)
         if self.checkpoint is not None:
             self.checkpoint.save_initial_offsets(chosen, self.input_name)
@@ -232,7 +237,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             {t: i for t, i in (ids | ids_now).items() if t in read_topics},
             {t: r for t, r in retired.items() if t in read_topics},
             self._tag,
-            _end_epochs(start, end, epochs),
+            _end_epochs(start, end, epochs, {*joined, *recreated, *rewound}),
         )
 
     def _check_input(self, *logged: dict) -> None:
@@ -476,7 +481,8 @@ def read_range(
 
     consumer = kafka_clients.range_consumer(conf)
     tp = TopicPartition(r.topic, r.partition, r.start)
-    _fetch_from(consumer, r, r.start)
+    asked = _epoch_at(r, r.start)  # the epoch the leader is asked about, if any
+    refused = not _fetch_from(consumer, r, r.start, asked)
     columns = _Columns()
     position = r.start
     last_progress = time.monotonic()
@@ -491,16 +497,39 @@ def read_range(
             for msg in messages:
                 err = msg.error()
                 if err is None:
+                    if refused:  # the seek that asks the leader: now that records come
+                        refused = not _ask_leader(consumer, r, position, asked)
+                        break  # this record and those fetched with it are fetched again
                     if position <= msg.offset() < r.end:
+                        if _written_after_planning(msg, r):
+                            position = _truncated(
+                                r, msg.offset(), _rewritten(msg, r), fail_on_data_loss, checkpoint
+                            )
+                            break
                         columns.add(msg)
                         position = msg.offset() + 1
                 elif err.code() == KafkaError._AUTO_OFFSET_RESET and _log_truncated(msg):
-                    position = _truncated(r, position, err, fail_on_data_loss, checkpoint)
+                    if _before_this_batch(r, position, asked):
+                        # The batch was planned on the new log: what is lost lies below its
+                        # start. Fails, or is counted and the range read from the new log.
+                        _truncated_before(r, err, fail_on_data_loss, checkpoint)
+                        r = dataclasses.replace(r, start_epoch=r.end_epoch)
+                        asked = r.end_epoch
+                        refused = not _fetch_from(consumer, r, position, asked)
+                        break
+                    how = f"librdkafka: {err.str()}"
+                    position = _truncated(r, position, how, fail_on_data_loss, checkpoint)
                     break
                 elif err.code() == KafkaError._AUTO_OFFSET_RESET:
                     out_of_range_since = out_of_range_since or time.monotonic()
                     position = _out_of_range(
-                        consumer, r, position, fail_on_data_loss, checkpoint, out_of_range_since
+                        consumer,
+                        r,
+                        position,
+                        fail_on_data_loss,
+                        checkpoint,
+                        out_of_range_since,
+                        msg,
                     )
                     break
                 elif err.code() == KafkaError._PARTITION_EOF:
@@ -559,54 +588,113 @@ def _from_a_new_consumer(
         r.end,
     )
     consumer = kafka_clients.renewed_range_consumer(conf, stale)
-    _fetch_from(consumer, r, position)
+    _fetch_from(consumer, r, position, _epoch_at(r, position))
     return consumer
 
 
-def _fetch_from(consumer, r: OffsetRange, position: int) -> None:
-    """Have `consumer` fetch `r`'s partition from `position`, validated first against the
-    leader epoch the offset log has for it (KIP-320): its leader answers where its log of
-    that epoch ends, and a log that ends below `position` was truncated since the batch was
-    planned (or since the last one, for its start), though it may have grown back past it
-    with other records. librdkafka reports that as `_log_truncated`.
+def _epoch_at(r: OffsetRange, position: int) -> int | None:
+    """The leader epoch whose log held `position` when the batch was planned: `start_epoch`
+    is for the range's start alone; every offset up to its end was in the log of `end_epoch`
+    (that of the stable end it was planned from). None: not known."""
+    if position == r.start and r.start_epoch is not None:
+        return r.start_epoch
+    return r.end_epoch
 
-    `start_epoch` is for `start` alone; any offset up to `end` was in the log of `end_epoch`
-    (that of the stable end it was planned from). librdkafka validates on a seek only, never
-    on an assignment, and refuses a seek until the assignment has reached the partition
-    (_STATE; _PREV_IN_PROGRESS while an earlier read's unassignment ends): the seek is asked
-    again meanwhile. What the fetch took before the seek is dropped (its op version is
-    older)."""
-    from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+def _fetch_from(consumer, r: OffsetRange, position: int, epoch: int | None) -> bool:
+    """Have `consumer` fetch `r`'s partition from `position`, once its leader has said where
+    its log of leader epoch `epoch` ends (KIP-320; None: ask nothing): a log that ends below
+    `position` was truncated since the batch was planned (or since the last one, for its
+    start), though it may have grown back past it with other records. librdkafka reports
+    that as `_log_truncated`. False if the leader could not be asked (see `_ask_leader`)."""
+    from confluent_kafka import TopicPartition
 
     consumer.assign([TopicPartition(r.topic, r.partition, position)])
-    epoch = r.start_epoch if position == r.start and r.start_epoch is not None else r.end_epoch
-    if epoch is None:  # planned by a build that kept no epochs
-        return
+    return epoch is None or _ask_leader(consumer, r, position, epoch)
+
+
+def _ask_leader(consumer, r: OffsetRange, position: int, epoch: int) -> bool:
+    """Seek to `position` in `epoch`: librdkafka validates on a seek only, never on an
+    assignment, and refuses a seek until the assignment has reached the partition (_STATE;
+    _PREV_IN_PROGRESS while an earlier read's unassignment ends), so it is asked again
+    meanwhile. What was fetched before the seek is dropped (its op version is older). A fetch
+    that failed first (an offset out of range) leaves the partition stopped, refusing every
+    seek until its error is handled: after SEEK_WAIT_S this returns False, and the read
+    meets that error, or asks again at its first record."""
+    from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
     deadline = time.monotonic() + SEEK_WAIT_S
     while True:
         try:
             consumer.seek(TopicPartition(r.topic, r.partition, position, leader_epoch=epoch))
-            return
+            return True
         except KafkaException as exc:
-            code = exc.args[0].code()
-            if code not in (KafkaError._STATE, KafkaError._PREV_IN_PROGRESS):
+            if exc.args[0].code() not in (KafkaError._STATE, KafkaError._PREV_IN_PROGRESS):
                 raise
             if time.monotonic() > deadline:
-                raise KafkaException(
-                    KafkaError(
-                        code,
-                        f"reading {r.topic}[{r.partition}]: the consumer refused to seek to "
-                        f"offset {position} for {SEEK_WAIT_S:.0f} s after it was assigned "
-                        f"({exc.args[0].str()}); the task is retried: if this repeats, restart "
-                        "the pipeline and report it",
-                        retriable=True,
-                    )
-                ) from exc
+                log.info(
+                    "reading %s[%d]: the consumer refused to seek to offset %d for %.0f s (%s); "
+                    "the leader is asked about epoch %d once the partition fetches",
+                    r.topic,
+                    r.partition,
+                    position,
+                    SEEK_WAIT_S,
+                    exc.args[0].str(),
+                    epoch,
+                )
+                return False
             time.sleep(0.001)
 
 
+def _written_after_planning(msg, r: OffsetRange) -> bool:
+    """Whether a record of the range was written in a leader epoch newer than the one its
+    batch was planned in: every offset below the range's end was written by then, so this
+    one was written again after its log was truncated (librdkafka validates its position
+    only on a seek or a leader change, and may have fetched the new records first)."""
+    epoch = msg.leader_epoch()
+    return r.end_epoch is not None and epoch is not None and epoch > r.end_epoch
+
+
+def _rewritten(msg, r: OffsetRange) -> str:
+    return (
+        f"offset {msg.offset()} holds a record written in leader epoch {msg.leader_epoch()}, "
+        f"after the batch was planned in epoch {r.end_epoch}"
+    )
+
+
+def _before_this_batch(r: OffsetRange, position: int, asked: int | None) -> bool:
+    """Whether a truncation was found at the range's start against the epoch of the last
+    batch, older than this batch's: the log was truncated between the two, and this batch
+    was planned on the new log."""
+    return (
+        position == r.start
+        and asked is not None
+        and asked == r.start_epoch
+        and r.end_epoch is not None
+        and r.end_epoch != r.start_epoch
+    )
+
+
+def _truncated_before(r: OffsetRange, err, fail: bool, checkpoint) -> None:
+    """Fail naming what a truncation before this batch lost, or count and log it: the
+    records the new leader holds below the range's start, which no batch reads. Their first
+    offset is in librdkafka's message only ("broker end offset is N"); unknown, none is
+    counted."""
+    found = re.search(r"broker end offset is (\d+)", err.str() or "")
+    lost = max(0, r.start - int(found.group(1))) if found else 0
+    what = (
+        f"its leader's log was truncated below offset {r.start} after the last batch read up "
+        f"to it (librdkafka: {err.str()}); the records the leader holds now below {r.start} "
+        f"({lost if found else 'how many is not known'}) are never read. An unclean leader "
+        "election or a broker that lost its data does this: check the topic's "
+        "unclean.leader.election.enable and min.insync.replicas."
+    )
+    fix = "read the batch on from the new log"
+    _data_loss((r.topic, r.partition), what, fix, lost, fail, checkpoint)
+
+
 def _out_of_range(
-    consumer, r: OffsetRange, position: int, fail: bool, checkpoint, since: float
+    consumer, r: OffsetRange, position: int, fail: bool, checkpoint, since: float, msg
 ) -> int:
     """A broker answered that offset `position` of the range is not in its log; returns the
     position to read on from.
@@ -626,7 +714,11 @@ def _out_of_range(
       stalled (READ_STALL_TIMEOUT_S), never as data loss.
     A truncated log, which librdkafka reports with the same error code, never comes here
     (see `_log_truncated`): its leader may hold the offsets again, but not the same records.
-    Its "No epoch found" answer does: a leader that is behind gives it too.
+    Its "No epoch found" answer (`msg`'s offset is the position) does: a leader that is behind
+    gives it too. From a leader that holds the position for BEHIND_LEADER_WAIT_S, the read
+    goes on without asking: a broker that keeps no epochs answers so for ever, and so does a
+    topic recreated while the batch ran (its epochs start again), which the next batch's
+    planning finds by its topic id.
     """
     from confluent_kafka import KafkaException, TopicPartition
 
@@ -644,6 +736,19 @@ def _out_of_range(
         return _skip_lost(consumer, r, position, low, high, fail, checkpoint)
     if high is None:
         pass  # no answer: ask again
+    elif high > position and _log_truncated_cause(msg) and waited >= BEHIND_LEADER_WAIT_S:
+        log.warning(
+            "the leader of %s[%d] holds offset %d but no leader epoch as new as the batch's, "
+            "for %.0f s (librdkafka: %s): a topic recreated while the batch ran, or a broker "
+            "that keeps no epochs (a message format before 0.11); reading on without asking",
+            r.topic,
+            r.partition,
+            position,
+            waited,
+            msg.error().str(),
+        )
+        _fetch_from(consumer, r, position, None)
+        return position
     elif high > position:
         log.warning(
             "a broker answered that offset %d of %s[%d] is not in its log, but the leader "
@@ -669,7 +774,7 @@ def _out_of_range(
             BEHIND_LEADER_WAIT_S,
         )
     time.sleep(BEHIND_LEADER_RETRY_S)  # a stale broker may answer the next fetch too
-    _fetch_from(consumer, r, position)
+    _fetch_from(consumer, r, position, _epoch_at(r, position))
     return position
 
 
@@ -688,22 +793,28 @@ def _log_truncated(msg) -> bool:
       the position: asked again like an out-of-range answer, never loss at once.
     The cause's description is taken from the linked librdkafka (KafkaError(code).str() is its
     rd_kafka_err2str), never from the reason's wording, which is free text."""
+    # Message.offset() is None for a negative offset, OFFSET_INVALID included.
+    return msg.offset() is None and _log_truncated_cause(msg)
+
+
+def _log_truncated_cause(msg) -> bool:
+    """Whether an error's cause is KIP-320's validation (RD_KAFKA_RESP_ERR__LOG_TRUNCATION),
+    by the cause's description from the linked librdkafka."""
     from confluent_kafka import KafkaError
 
     truncation = KafkaError(KafkaError._LOG_TRUNCATION).str()
-    # Message.offset() is None for a negative offset, OFFSET_INVALID included.
-    return msg.offset() is None and truncation in (msg.error().str() or "")
+    return truncation in (msg.error().str() or "")
 
 
-def _truncated(r: OffsetRange, position: int, err, fail: bool, checkpoint) -> int:
-    """librdkafka's offset validation found the partition's log truncated where the read was,
-    at `position` (an unclean leader election, a broker that lost its disk, a recreated
-    topic): the records of the range from there on are gone, though the leader may hold the
-    offsets again with other records, which the read must not take for them. Fail, or count
-    the range's unread offsets and end the range. Returns the new position."""
+def _truncated(r: OffsetRange, position: int, how: str, fail: bool, checkpoint) -> int:
+    """The partition's log was found truncated where the read was, at `position` (an unclean
+    leader election, a broker that lost its disk, a recreated topic), as `how` says: the
+    records of the range from there on are gone, though the leader may hold the offsets
+    again with other records, which the read must not take for them. Fail, or count the
+    range's unread offsets and end the range. Returns the new position."""
     what = (
         f"its leader's log was truncated while the batch read offsets [{r.start}, {r.end}), at "
-        f"offset {position} (librdkafka: {err.str()}); offsets [{position}, {r.end}) of the "
+        f"offset {position} ({how}); offsets [{position}, {r.end}) of the "
         "batch are gone, and those the leader holds again hold other records. An unclean "
         "leader election, a broker that lost its data or a recreated topic does this: check "
         "the topic's unclean.leader.election.enable and min.insync.replicas."
@@ -738,7 +849,7 @@ def _skip_lost(
     )
     fix = f"skip the gone offsets to {resume}"
     _data_loss((r.topic, r.partition), what, fix, resume - position, fail, checkpoint)
-    _fetch_from(consumer, r, resume)
+    _fetch_from(consumer, r, resume, _epoch_at(r, resume))
     return resume
 
 
@@ -788,16 +899,19 @@ class _Columns:
 
 
 def _end_epochs(
-    start: dict, end: dict[TP, int], epochs: dict[TP, int | None]
+    start: dict, end: dict[TP, int], epochs: dict[TP, int | None], restarted: set[TP]
 ) -> dict[TP, int | None]:
-    """The leader epoch to log with each end offset of a batch. An end that moved was in the
-    log of the epoch its look-up answered in: every offset up to the stable end is. One that
-    did not move keeps the epoch it had, so that the batch that reads on from it validates
-    it against the log it was planned in, however many batches later: a log truncated
-    meanwhile (an unclean leader election) and grown back past it is still seen."""
+    """The leader epoch to log with each end offset of a batch. An end that moved, or that
+    restarts its partition (`restarted`: joined, recreated, rewound), was in the log of the
+    epoch its look-up answered in: every offset up to the stable end is. One that did not
+    move keeps the epoch it had, so that the batch that reads on from it validates it against
+    the log it was planned in, however many batches later: a log truncated meanwhile (an
+    unclean leader election) and grown back past it is still seen."""
     before, before_epochs = offsets.positions(start), offsets.leader_epochs(start)
     return {
-        tp: before_epochs.get(tp) if before.get(tp) == offset else epochs.get(tp)
+        tp: before_epochs.get(tp)
+        if before.get(tp) == offset and tp not in restarted
+        else epochs.get(tp)
         for tp, offset in end.items()
     }
 

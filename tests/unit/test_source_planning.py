@@ -352,3 +352,34 @@ def test_initial_offsets_in_the_log_carry_its_leader_epoch(monkeypatch):
     outside = {"t": {"0": 95}}  # past the log's end: in no epoch's log yet
     reader = _reader_over(monkeypatch, [{"t": "A"}] * 2, startingOffsets=json.dumps(outside))
     assert offsets.leader_epochs(reader.initialOffset()) == {}
+
+
+def test_a_restarted_partition_takes_the_new_epoch_even_at_its_old_offset():
+    """A partition of a recreated topic restarts at its earliest offset, which may equal the
+    old one: keeping the old topic's epoch would fail every read of it ("No epoch found")."""
+    from onceflow.connectors import offsets
+    from onceflow.connectors.source import _end_epochs
+
+    start = offsets.logged({("t", 0): 5}, {"t": "A"}, epochs={("t", 0): 7})
+    assert _end_epochs(start, {("t", 0): 5}, {("t", 0): 0}, {("t", 0)}) == {("t", 0): 0}
+    assert _end_epochs(start, {("t", 0): 5}, {("t", 0): 0}, set()) == {("t", 0): 7}
+
+
+def test_starting_offsets_of_a_partition_the_look_up_does_not_list_get_no_epoch(monkeypatch):
+    from onceflow.connectors import kafka_clients, offsets
+    from onceflow.connectors.source import KafkaStreamReader
+
+    monkeypatch.setattr(kafka_clients, "topic_ids", lambda conf, topics: {"t": "A"})
+    monkeypatch.setattr(kafka_clients, "earliest", lambda conf, tps: {tp: 0 for tp in tps})
+    monkeypatch.setattr(
+        kafka_clients, "stable_ends_and_epochs", lambda conf, tps: {tp: (90, 3) for tp in tps}
+    )
+    spec = {"t": {"0": 5}, "gone": {"0": 7}}  # `gone` is not (no longer) in the metadata
+    reader = KafkaStreamReader(
+        {"kafka.bootstrap.servers": "x:1", "subscribePattern": "t|gone"}
+        | {"startingOffsets": json.dumps(spec)}
+    )
+    monkeypatch.setattr(reader, "_partitions_now", lambda: [("t", 0)])
+    chosen = reader.initialOffset()
+    assert offsets.positions(chosen) == {("t", 0): 5, ("gone", 0): 7}
+    assert offsets.leader_epochs(chosen) == {("t", 0): 3}

@@ -14,8 +14,11 @@ TOPIC = "t"
 
 
 class _Message:
-    def __init__(self, offset: int, err: KafkaError | None = None) -> None:
-        self._offset, self._err = offset, err
+    def __init__(self, offset: int, err: KafkaError | None = None, epoch: int = 3) -> None:
+        self._offset, self._err, self._epoch = offset, err, epoch
+
+    def leader_epoch(self):
+        return self._epoch
 
     def error(self):
         return self._err
@@ -193,3 +196,138 @@ def test_a_range_planned_without_epochs_is_read_without_validation(consumer_of):
     consumer = consumer_of(FakeConsumer(OUT_OF_RANGE))
     assert _offsets(read_range({}, OffsetRange(TOPIC, 0, 0, 200), True)) == list(range(200))
     assert consumer.seeks == []
+
+
+@pytest.mark.parametrize("fail_on_data_loss", [True, False])
+def test_a_record_written_after_the_batch_was_planned_is_not_taken_for_the_planned_one(
+    consumer_of, tmp_path, fail_on_data_loss
+):
+    """The batch was planned in leader epoch 3, when every offset below its end was written.
+    librdkafka validates a read's position only on a seek or a leader change, so after an
+    unclean election under the read it can deliver the new leader's records first: one
+    written in epoch 4 at offset 100 replaced the record the batch planned there."""
+    consumer_of(FakeConsumer(_Message(100, epoch=4)))
+    checkpoint = CheckpointDir(tmp_path)
+    r = OffsetRange(TOPIC, 0, 0, 200, 3, 3)
+    if fail_on_data_loss:
+        with pytest.raises(DataLossError, match="offset 100 holds a record written in leader "):
+            list(read_range({}, r, True, checkpoint))
+        return
+    assert _offsets(read_range({}, r, False, checkpoint)) == list(range(100))
+    assert checkpoint.source_stats() == {(TOPIC, 0): 100}
+
+
+class TruncatedAtStart(FakeConsumer):
+    """Reports `event` first, at the range's start; then, assigned anew, the log from there."""
+
+    def consume(self, n, timeout):
+        self.calls += 1
+        if self.calls == 1:
+            return [self.event]
+        out = [_Message(o) for o in range(self.pos, self.log_end)]
+        self.pos = max(self.pos, self.log_end)
+        return out
+
+
+def test_with_fail_on_data_loss_false_a_truncation_before_the_batch_reads_the_batch_on(
+    consumer_of, tmp_path
+):
+    """The log was truncated to 60 after the last batch read up to 100, and grew back: this
+    batch was planned on the new log in epoch 3. What is lost are the new leader's records
+    below 100, which no batch reads (counted: 40); the batch's own are read, validated
+    against the epoch it was planned in. (They were skipped as lost too.)"""
+    consumer = consumer_of(TruncatedAtStart(TRUNCATED))
+    checkpoint = CheckpointDir(tmp_path)
+    r = OffsetRange(TOPIC, 0, 100, 200, 1, 3)
+    assert _offsets(read_range({}, r, False, checkpoint)) == list(range(100, 200))
+    assert consumer.seeks == [(100, 1), (100, 3)]
+    assert checkpoint.source_stats() == {(TOPIC, 0): 40}
+    consumer_of(TruncatedAtStart(TRUNCATED))
+    with pytest.raises(DataLossError, match="truncated below offset 100 after the last batch"):
+        list(read_range({}, r, True, checkpoint))
+
+
+class NoEpochForSeeks(FakeConsumer):
+    """A leader that holds the log but no epoch as new as the batch's: "No epoch found" for
+    every position sought in an epoch, the log from a position assigned without one."""
+
+    def assign(self, tps):
+        super().assign(tps)
+        self.sought = False
+
+    def seek(self, tp):
+        super().seek(tp)
+        self.sought = True
+
+    def consume(self, n, timeout):
+        if self.sought:
+            return [self.event]
+        out = [_Message(o) for o in range(self.pos, self.log_end)]
+        self.pos = max(self.pos, self.log_end)
+        return out
+
+
+def test_no_epoch_found_from_a_leader_that_holds_the_offsets_is_read_on_after_the_wait(
+    consumer_of, monkeypatch, tmp_path
+):
+    """A broker that keeps no epochs (a message format before 0.11) answers "No epoch found"
+    for ever, and so does a topic recreated while the batch ran (which the next batch's
+    planning finds by its id). (The read asked again until it stalled after 120 s, failing
+    as if the broker were unreachable.)"""
+    monkeypatch.setattr(source, "BEHIND_LEADER_WAIT_S", 0.0)
+    monkeypatch.setattr(source, "READ_STALL_TIMEOUT_S", 1.0)  # the stall it was taken for
+    monkeypatch.setattr(source, "FETCH_STALL_S", 60.0)
+    consumer = consumer_of(NoEpochForSeeks(NO_EPOCH))
+    checkpoint = CheckpointDir(tmp_path)
+    r = OffsetRange(TOPIC, 0, 100, 200, 3, 3)
+    assert _offsets(read_range({}, r, True, checkpoint)) == list(range(100, 200))
+    assert consumer.assigned == [100, 100] and checkpoint.source_stats() == {}
+
+
+class Log(FakeConsumer):
+    """Delivers the log from the offset assigned or sought, ten records a call."""
+
+    def seek(self, tp):
+        super().seek(tp)
+        self.pos = tp.offset
+
+    def consume(self, n, timeout):
+        out = [_Message(o) for o in range(self.pos, min(self.pos + 10, self.log_end))]
+        self.pos += len(out)
+        return out
+
+
+def test_a_seek_refused_until_the_partition_fetches_is_asked_again_at_its_first_record(
+    consumer_of, monkeypatch
+):
+    """A slow assignment (a stop still ending, a busy librdkafka thread) refuses the seek
+    that asks the leader: the read must not take records it has not asked about."""
+    monkeypatch.setattr(source, "SEEK_WAIT_S", 0.0)
+    consumer = consumer_of(Log(OUT_OF_RANGE))
+    consumer.refusals = 1
+    r = OffsetRange(TOPIC, 0, 0, 200, 1, 3)
+    assert _offsets(read_range({}, r, True)) == list(range(200))  # each once
+    assert consumer.seeks == [(0, 1)]
+
+
+class TruncatedThenOutOfRange(TruncatedAtStart):
+    """The truncation at the range's start, then an out-of-range answer there, then the log."""
+
+    def consume(self, n, timeout):
+        if self.calls == 1:
+            self.calls += 1
+            return [OUT_OF_RANGE]
+        return super().consume(n, timeout)
+
+
+def test_after_reading_a_batch_on_from_the_new_log_every_fetch_asks_about_its_epoch(
+    consumer_of, tmp_path
+):
+    """Once the batch is read from the new log, asking about the last batch's epoch again
+    (a new consumer, an out-of-range answer) would find the same truncation and skip the
+    batch as if its records were gone."""
+    consumer = consumer_of(TruncatedThenOutOfRange(TRUNCATED))
+    checkpoint = CheckpointDir(tmp_path)
+    r = OffsetRange(TOPIC, 0, 100, 200, 1, 3)
+    assert _offsets(read_range({}, r, False, checkpoint)) == list(range(100, 200))
+    assert consumer.seeks == [(100, 1), (100, 3), (100, 3)]
