@@ -481,8 +481,7 @@ def read_range(
 
     consumer = kafka_clients.range_consumer(conf)
     tp = TopicPartition(r.topic, r.partition, r.start)
-    asked = _epoch_at(r, r.start)  # the epoch the leader is asked about, if any
-    refused = not _fetch_from(consumer, r, r.start, asked)
+    refused = not _fetch_from(consumer, r, r.start, _epoch_at(r, r.start))
     columns = _Columns()
     position = r.start
     last_progress = time.monotonic()
@@ -498,7 +497,7 @@ def read_range(
                 err = msg.error()
                 if err is None:
                     if refused:  # the seek that asks the leader: now that records come
-                        refused = not _ask_leader(consumer, r, position, asked)
+                        refused = not _ask_leader(consumer, r, position, _epoch_at(r, position))
                         break  # this record and those fetched with it are fetched again
                     if position <= msg.offset() < r.end:
                         if _written_after_planning(msg, r):
@@ -509,13 +508,12 @@ def read_range(
                         columns.add(msg)
                         position = msg.offset() + 1
                 elif err.code() == KafkaError._AUTO_OFFSET_RESET and _log_truncated(msg):
-                    if _before_this_batch(r, position, asked):
+                    if _before_this_batch(r, position):
                         # The batch was planned on the new log: what is lost lies below its
                         # start. Fails, or is counted and the range read from the new log.
                         _truncated_before(r, err, fail_on_data_loss, checkpoint)
                         r = dataclasses.replace(r, start_epoch=r.end_epoch)
-                        asked = r.end_epoch
-                        refused = not _fetch_from(consumer, r, position, asked)
+                        refused = not _fetch_from(consumer, r, position, r.end_epoch)
                         break
                     how = f"librdkafka: {err.str()}"
                     position = _truncated(r, position, how, fail_on_data_loss, checkpoint)
@@ -662,14 +660,13 @@ def _rewritten(msg, r: OffsetRange) -> str:
     )
 
 
-def _before_this_batch(r: OffsetRange, position: int, asked: int | None) -> bool:
+def _before_this_batch(r: OffsetRange, position: int) -> bool:
     """Whether a truncation was found at the range's start against the epoch of the last
-    batch, older than this batch's: the log was truncated between the two, and this batch
-    was planned on the new log."""
+    batch (what `_epoch_at` asks about there), older than this batch's: the log was
+    truncated between the two, and this batch was planned on the new log."""
     return (
         position == r.start
-        and asked is not None
-        and asked == r.start_epoch
+        and r.start_epoch is not None
         and r.end_epoch is not None
         and r.end_epoch != r.start_epoch
     )
@@ -964,7 +961,7 @@ def plan_tasks(
         start = r.start
         while start < r.end:
             end = min(r.end, start + room)
-            epoch = r.start_epoch if start == r.start else r.end_epoch
+            epoch = _epoch_at(r, start)
             current.append(OffsetRange(r.topic, r.partition, start, end, epoch, r.end_epoch))
             room -= end - start
             start = end
