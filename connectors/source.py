@@ -214,7 +214,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         changed = {t for t, i in ids.items() if ids_now.get(t) not in (None, i)}
         recreated = self._check_recreated(starts, changed, ids, ids_now, earliest, stable)
         unlisted = self._keep_unlisted(starts, set(tps))
-        rewound = self._check_rewound(starts, earliest, stable)
+        rewound = self._check_rewound(starts, earliest, stable, offsets.leader_epochs(start))
         self._check_retention(starts, earliest)
         if self._available_now_target is not None:
             target = self._available_now_target
@@ -228,7 +228,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         joined = [tp for tp in tps if tp not in starts and tp not in recreated]
         if joined:
             log.info("new partitions join from their earliest offset: %s", joined)
-        end |= {tp: earliest[tp] for tp in [*joined, *recreated, *rewound]} | unlisted
+        end |= {tp: earliest[tp] for tp in [*joined, *recreated]} | rewound | unlisted
         self._latest = offsets.logged(stable)
         read_topics = {t for t, _ in end}
         retired |= {t: [*retired.get(t, []), ids[t]] for t in changed}
@@ -363,22 +363,39 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             del starts[tp]
         return unlisted
 
-    def _check_rewound(self, starts: dict, earliest: dict, stable: dict) -> list:
+    def _check_rewound(
+        self, starts: dict, earliest: dict, stable: dict, epochs: dict[TP, int]
+    ) -> dict[TP, int]:
         """Partitions whose offsets went backwards: the broker's log ends below the offset
-        the query expects next (topic recreated, broker data lost)."""
-        rewound = []
+        the query expects next (an unclean leader election, a broker that lost its data), and
+        the offset each restarts from. A leader elected without the last records holds, below
+        where its log was cut, the records the query read: the partition restarts there, so
+        each record written since is published once (`_where_cut`). Where that is not known
+        (no epoch logged, or none the leader knows), from its earliest offset."""
+        restarts = {}
         for tp, offset in sorted(starts.items()):
-            if stable[tp] < offset:
-                self._data_loss(
-                    tp,
-                    f"the query expected offset {offset} next, but the broker holds offsets "
-                    f"[{earliest[tp]}, {stable[tp]}) only: the topic was recreated or the "
-                    "broker lost data.",
-                    f"restart the partition from its earliest offset {earliest[tp]}",
-                    offset - earliest[tp],
+            if stable[tp] >= offset:
+                continue
+            what = (
+                f"the query expected offset {offset} next, but the broker holds offsets "
+                f"[{earliest[tp]}, {stable[tp]}) only"
+            )
+            cut = _where_cut(self.conf, tp, offset, epochs.get(tp))
+            if cut is None:
+                restarts[tp] = earliest[tp]
+                what += ": the topic was recreated or the broker lost data."
+                lost = offset - earliest[tp]
+            else:
+                restarts[tp] = max(cut, earliest[tp])
+                what += (
+                    f": its leader's log was cut at offset {cut} (an unclean leader election or "
+                    "a broker that lost its data). The query read the records below the cut "
+                    f"before; those the log holds from {cut} on were written since."
                 )
-                rewound.append(tp)
-        return rewound
+                lost = restarts[tp] - cut  # deleted since (retention)
+            fix = f"restart the partition from offset {restarts[tp]}"
+            self._data_loss(tp, what, fix, lost)
+        return restarts
 
     def _check_retention(self, starts: dict, earliest: dict) -> None:
         for tp, offset in starts.items():
@@ -677,17 +694,51 @@ def _truncated_before(r: OffsetRange, err, fail: bool, checkpoint) -> None:
     records the new leader holds below the range's start, which no batch reads. Their first
     offset is in librdkafka's message only ("broker end offset is N"); unknown, none is
     counted."""
-    found = re.search(r"broker end offset is (\d+)", err.str() or "")
-    lost = max(0, r.start - int(found.group(1))) if found else 0
+    cut = _broker_end_offset(err)
+    lost = max(0, r.start - cut) if cut is not None else 0
     what = (
         f"its leader's log was truncated below offset {r.start} after the last batch read up "
         f"to it (librdkafka: {err.str()}); the records the leader holds now below {r.start} "
-        f"({lost if found else 'how many is not known'}) are never read. An unclean leader "
-        "election or a broker that lost its data does this: check the topic's "
+        f"({lost if cut is not None else 'how many is not known'}) are never read. An unclean "
+        "leader election or a broker that lost its data does this: check the topic's "
         "unclean.leader.election.enable and min.insync.replicas."
     )
     fix = "read the batch on from the new log"
     _data_loss((r.topic, r.partition), what, fix, lost, fail, checkpoint)
+
+
+def _broker_end_offset(err) -> int | None:
+    """Where the leader's log of the asked epoch ends, from librdkafka's report of a truncated
+    log ("broker end offset is N"), the only place it gives it; None if not there."""
+    found = re.search(r"broker end offset is (\d+)", err.str() or "")
+    return int(found.group(1)) if found else None
+
+
+def _where_cut(conf: dict[str, str], tp: TP, offset: int, epoch: int | None) -> int | None:
+    """Where the partition's log was cut below `offset`, which its leader of epoch `epoch`
+    held: the end of that epoch's log on the leader now (KIP-320's OffsetsForLeaderEpoch,
+    asked by librdkafka's validating seek). Every record below it is the one the old leader
+    held there. None if the leader does not say: no epoch logged, none it knows ("No epoch
+    found": a log that was wiped, a broker without epochs), a log of that epoch that does
+    not end below `offset`, or no answer within ATTEMPT_TIMEOUT_S."""
+    from confluent_kafka import KafkaError
+
+    if epoch is None:
+        return None
+    consumer = kafka_clients.range_consumer(conf)
+    r = OffsetRange(*tp, offset, offset, epoch, epoch)
+    try:
+        if not _fetch_from(consumer, r, offset, epoch):
+            return None
+        deadline = time.monotonic() + kafka_clients.ATTEMPT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for msg in consumer.consume(1, kafka_clients.CONSUME_WAIT_S):
+                err = msg.error()
+                reset = err is not None and err.code() == KafkaError._AUTO_OFFSET_RESET
+                return _broker_end_offset(err) if reset and _log_truncated(msg) else None
+        return None
+    finally:
+        consumer.unassign()
 
 
 def _out_of_range(

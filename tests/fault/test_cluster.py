@@ -507,6 +507,47 @@ def test_a_log_an_unclean_election_truncated_and_that_grew_back_past_the_checkpo
     assert CheckpointDir(checkpoint).source_stats() == {(topic, 0): 10}  # new-0 to new-9
 
 
+def test_a_log_an_unclean_election_cut_below_the_checkpoint_restarts_where_it_was_cut(
+    cluster, spark, tmp_path
+):
+    """The same partition, with 5 records on both replicas and 5 more on node 1 alone, which
+    the query reads; node 2 is elected with the first 5, and producers write 2 others, at
+    offsets 5 and 6. The log ends below the checkpoint's offset 10 and stays there. With
+    failOnDataLoss=false the partition restarted from its earliest offset: old-0 to old-4
+    were published twice. The leader's answer for the epoch logged with offset 10 says the
+    log was cut at 5: the query reads new-5 and new-6, and nothing it read before."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from tests.helpers import drain, source_reader
+
+    topic = f"unclean-cut-{uuid.uuid4().hex[:10]}"
+    settings = {"unclean.leader.election.enable": "true", "min.insync.replicas": "1"}
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap})
+    new = NewTopic(topic, num_partitions=1, replica_assignment=[[1, 2]], config=settings)
+    admin.create_topics([new])[topic].result()
+    wait_until(lambda: _isr(cluster.bootstrap, topic) == [1, 2], 30, "both replicas in sync")
+    _write(cluster.bootstrap, topic, [b"old-%d" % i for i in range(5)])
+    cluster.node(2).stop(progress=print)
+    wait_until(lambda: _isr(cluster.bootstrap, topic) == [1], 60, "node 2 out of the ISR")
+    _write(cluster.bootstrap, topic, [b"old-%d" % i for i in range(5, 10)])
+    checkpoint = str(tmp_path / "ck")
+    options = {"failOnDataLoss": "false", "checkpointLocation": checkpoint}
+    rows, _ = drain(source_reader(spark, cluster.bootstrap, topic, **options), checkpoint)
+    assert [(r.offset, r.value) for r in rows] == [(i, b"old-%d" % i) for i in range(10)]
+
+    cluster.node(1).stop(progress=print)
+    cluster.start_node(2, progress=print, in_sync=False)
+    wait_until(lambda: _leaders(cluster.bootstrap, topic).get(0) == 2, 60, "node 2 elected")
+    _write(cluster.bootstrap, topic, [b"new-5", b"new-6"])
+    # The scenario holds: the log ends below the checkpoint, and starts with the old records.
+    conf = {"bootstrap.servers": cluster.bootstrap}
+    assert kafka_clients.stable_ends(conf, [(topic, 0)]) == {(topic, 0): 7}
+
+    rows, _ = drain(source_reader(spark, cluster.bootstrap, topic, **options), checkpoint)
+    assert [(r.offset, r.value) for r in rows] == [(5, b"new-5"), (6, b"new-6")]
+    assert CheckpointDir(checkpoint).source_stats() == {}  # every record read was there
+
+
 def _isr(bootstrap: str, topic: str) -> list[int]:
     """The in-sync replicas of partition 0 of `topic` (none while the answering broker does
     not know the partition yet)."""

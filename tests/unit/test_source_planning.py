@@ -219,6 +219,35 @@ def test_a_log_that_seems_to_end_behind_the_query_is_asked_again_before_it_is_a_
     assert offsets.positions(end) == {("t", 0): 0}  # restarted from the earliest offset
 
 
+def test_a_log_cut_below_the_query_restarts_where_the_leader_says_it_was_cut(monkeypatch):
+    """A log that stays below the checkpoint's offset under the same topic id was cut (an
+    unclean leader election): below the cut it holds the records the query read, so the
+    partition restarts at the cut, which the leader's answer for the logged epoch gives,
+    and with the new epoch. Restarted from its earliest offset, every record below the cut
+    was published twice. Where the leader cannot say, from the earliest offset."""
+    from onceflow.connectors import offsets, source
+
+    monkeypatch.setattr(source, "BEHIND_LEADER_WAIT_S", 0.0)
+    asked = []
+
+    def where_cut(conf, tp, offset, epoch):
+        asked.append((tp, offset, epoch))
+        return 12 if epoch is not None else None
+
+    monkeypatch.setattr(source, "_where_cut", where_cut)
+    start = offsets.logged({("t", 0): 15}, {"t": "A"}, epochs={("t", 0): 2})
+    reader = _reader_over(monkeypatch, [{"t": "A"}] * 2, stable=13)
+    end = reader.latestOffset(start, ReadAllAvailable())
+    assert asked == [(("t", 0), 15, 2)]
+    assert offsets.positions(end) == {("t", 0): 12}
+    assert offsets.leader_epochs(end) == {("t", 0): LEADER_EPOCH}
+
+    without_epoch = offsets.logged({("t", 0): 15}, {"t": "A"})
+    reader = _reader_over(monkeypatch, [{"t": "A"}] * 2, stable=13)
+    end = reader.latestOffset(without_epoch, ReadAllAvailable())
+    assert offsets.positions(end) == {("t", 0): 0}
+
+
 def test_the_first_epochs_a_process_plans_take_a_share_of_the_limit_then_the_whole():
     from onceflow.connectors import offsets
     from onceflow.connectors.source import KafkaStreamReader
