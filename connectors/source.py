@@ -266,11 +266,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         since = time.monotonic()
         while True:
             tps, ids_now, earliest, stable, epochs = self._look_up_once()
-            behind = sorted(
-                tp
-                for tp, offset in starts.items()
-                if stable.get(tp, offset) < offset and ids_now.get(tp[0]) == ids.get(tp[0])
-            )
+            same = {tp: o for tp, o in starts.items() if ids_now.get(tp[0]) == ids.get(tp[0])}
+            behind = self._logs_ending_below(same, stable)
             waited = time.monotonic() - since
             if not behind or waited >= BEHIND_LEADER_WAIT_S:
                 return tps, ids_now, earliest, stable, epochs
@@ -278,11 +275,23 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 log.warning(
                     "the log of %s ends below the offset the query expects next (%s); asking "
                     "again for up to %.0f s before taking it for offsets that went backwards",
-                    ", ".join(f"{t}[{p}] at {stable[(t, p)]}" for t, p in behind),
+                    ", ".join(f"{t}[{p}] at {end}" for (t, p), end in behind.items()),
                     ", ".join(str(starts[tp]) for tp in behind),
                     BEHIND_LEADER_WAIT_S,
                 )
             time.sleep(BEHIND_LEADER_RETRY_S)
+
+    def _logs_ending_below(self, starts: dict[TP, int], stable: dict[TP, int]) -> dict[TP, int]:
+        """The partitions whose log ends below the offset the query expects next, and where
+        each ends. A stable end below it may be a transaction still open there (one whose
+        commit marker an unclean election cut off, see `_check_rewound`), which holds the
+        partition, not rewinds it: the end of the log, open transactions included, decides.
+        Asked only for partitions whose stable end is below."""
+        below = sorted(tp for tp, offset in starts.items() if stable.get(tp, offset) < offset)
+        if not below:
+            return {}
+        ends = kafka_clients.high_watermarks(self.conf, below)
+        return {tp: ends[tp] for tp in below if ends.get(tp, starts[tp]) < starts[tp]}
 
     def _look_up_once(
         self,
@@ -370,15 +379,15 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         the query expects next (an unclean leader election, a broker that lost its data), and
         the offset each restarts from. A leader elected without the last records holds, below
         where its log was cut, the records the query read: the partition restarts there, so
-        each record written since is published once (`_where_cut`). Where that is not known
-        (no epoch logged, or none the leader knows), from its earliest offset."""
+        each record written since is published once (`_where_cut`). Where that is not known,
+        from its earliest offset. The cut may lie above the stable end, in a transaction whose
+        commit marker was cut off: the partition waits there (`_logs_ending_below`)."""
         restarts = {}
-        for tp, offset in sorted(starts.items()):
-            if stable[tp] >= offset:
-                continue
+        for tp, end in self._logs_ending_below(starts, stable).items():
+            offset = starts[tp]
             what = (
                 f"the query expected offset {offset} next, but the broker holds offsets "
-                f"[{earliest[tp]}, {stable[tp]}) only"
+                f"[{earliest[tp]}, {end}) only"
             )
             cut = _where_cut(self.conf, tp, offset, epochs.get(tp))
             if cut is None:
@@ -714,13 +723,24 @@ def _broker_end_offset(err) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def _end_of_epoch(err, epoch: int) -> int | None:
+    """Where the leader's log of leader epoch `epoch` ends, from librdkafka's report of a
+    truncated log; None if the leader answered for another epoch ("offset leader epoch M"):
+    Kafka answers for the newest epoch it has below the one asked."""
+    answered = re.search(r"offset leader epoch (-?\d+)", err.str() or "")
+    if answered is None or int(answered.group(1)) != epoch:
+        return None
+    return _broker_end_offset(err)
+
+
 def _where_cut(conf: dict[str, str], tp: TP, offset: int, epoch: int | None) -> int | None:
     """Where the partition's log was cut below `offset`, which its leader of epoch `epoch`
     held: the end of that epoch's log on the leader now (KIP-320's OffsetsForLeaderEpoch,
-    asked by librdkafka's validating seek). Every record below it is the one the old leader
-    held there. None if the leader does not say: no epoch logged, none it knows ("No epoch
-    found": a log that was wiped, a broker without epochs), a log of that epoch that does
-    not end below `offset`, or no answer within ATTEMPT_TIMEOUT_S."""
+    asked by librdkafka's validating seek). Below it the log holds the records the old
+    leader held there. None if the leader does not say so: no epoch logged; an answer for an
+    older epoch than `epoch` (a leader that never had it, whose own records past that older
+    epoch's end may differ from those read); none it knows ("No epoch found"); a log of that
+    epoch that does not end below `offset`; no answer within ATTEMPT_TIMEOUT_S."""
     from confluent_kafka import KafkaError
 
     if epoch is None:
@@ -733,9 +753,18 @@ def _where_cut(conf: dict[str, str], tp: TP, offset: int, epoch: int | None) -> 
         deadline = time.monotonic() + kafka_clients.ATTEMPT_TIMEOUT_S
         while time.monotonic() < deadline:
             for msg in consumer.consume(1, kafka_clients.CONSUME_WAIT_S):
+                if (msg.topic(), msg.partition()) != tp:
+                    continue  # an error librdkafka left from an earlier partition's question
                 err = msg.error()
-                reset = err is not None and err.code() == KafkaError._AUTO_OFFSET_RESET
-                return _broker_end_offset(err) if reset and _log_truncated(msg) else None
+                if err is None or err.code() != KafkaError._AUTO_OFFSET_RESET:
+                    return None  # a record there: the log holds `offset` again
+                if _log_truncated(msg):
+                    return _end_of_epoch(err, epoch)
+                if _log_truncated_cause(msg):
+                    return None  # "No epoch found"
+                # Out of range: the fetch the assignment started before the seek asked.
+                if not _ask_leader(consumer, r, offset, epoch):
+                    return None
         return None
     finally:
         consumer.unassign()

@@ -161,6 +161,9 @@ def _reader_over(monkeypatch, answers: list[dict], stable: int = 90, **options: 
         "stable_ends_and_epochs",
         lambda conf, tps: {tp: (stable, LEADER_EPOCH) for tp in tps},
     )
+    monkeypatch.setattr(
+        kafka_clients, "high_watermarks", lambda conf, tps: dict.fromkeys(tps, stable)
+    )
     reader = KafkaStreamReader(
         {"kafka.bootstrap.servers": "x:1", "subscribe": "t", "failOnDataLoss": "false", **options}
     )
@@ -210,6 +213,7 @@ def test_a_log_that_seems_to_end_behind_the_query_is_asked_again_before_it_is_a_
     reader = _reader_over(monkeypatch, [{"t": "A"}] * 4)  # ids before and after each look-up
     ends = iter([{("t", 0): (10, 2)}, {("t", 0): (20, 3)}])  # the paused leader's, the new one's
     monkeypatch.setattr(kafka_clients, "stable_ends_and_epochs", lambda conf, tps: next(ends))
+    monkeypatch.setattr(kafka_clients, "high_watermarks", lambda conf, tps: {("t", 0): 10})
     end = reader.latestOffset(start, ReadAllAvailable())
     assert offsets.positions(end) == {("t", 0): 20}
 
@@ -246,6 +250,22 @@ def test_a_log_cut_below_the_query_restarts_where_the_leader_says_it_was_cut(mon
     reader = _reader_over(monkeypatch, [{"t": "A"}] * 2, stable=13)
     end = reader.latestOffset(without_epoch, ReadAllAvailable())
     assert offsets.positions(end) == {("t", 0): 0}
+
+
+def test_a_stable_end_below_the_query_with_the_log_above_it_holds_the_partition(monkeypatch):
+    """A stable end below the offset the query expects next, in a log that holds that offset:
+    a transaction open there (an unclean election can cut its commit marker off, and the
+    partition restarts at the cut, above it). The partition waits for it, not rewinds: taken
+    for a rewind it restarted from its earliest offset, every record read twice."""
+    from onceflow.connectors import kafka_clients, offsets, source
+
+    monkeypatch.setattr(source, "BEHIND_LEADER_WAIT_S", 0.0)
+    monkeypatch.setattr(source, "_where_cut", lambda conf, tp, offset, epoch: None)
+    start = offsets.logged({("t", 0): 15}, {"t": "A"}, epochs={("t", 0): 2})
+    reader = _reader_over(monkeypatch, [{"t": "A"}] * 2, stable=13)
+    monkeypatch.setattr(kafka_clients, "high_watermarks", lambda conf, tps: {("t", 0): 16})
+    end = reader.latestOffset(start, ReadAllAvailable())
+    assert offsets.positions(end) == {("t", 0): 15}
 
 
 def test_the_first_epochs_a_process_plans_take_a_share_of_the_limit_then_the_whole():

@@ -331,3 +331,26 @@ def test_after_reading_a_batch_on_from_the_new_log_every_fetch_asks_about_its_ep
     r = OffsetRange(TOPIC, 0, 100, 200, 1, 3)
     assert _offsets(read_range({}, r, False, checkpoint)) == list(range(100, 200))
     assert consumer.seeks == [(100, 1), (100, 3), (100, 3)]
+
+
+class _Reported:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def str(self) -> str:
+        return self.text
+
+
+def test_a_cut_is_the_end_of_the_asked_epoch_only():
+    """Kafka answers OffsetsForLeaderEpoch for the newest epoch the leader has at or below
+    the asked one. A leader that never had the asked epoch answers where its own older epoch
+    ends, past which its records may differ from those read: no cut is known there."""
+    from onceflow.connectors.source import _end_of_epoch
+
+    report = (
+        "Partition log truncation detected at offset 10 (leader epoch 4): broker end offset "
+        "is 8 (offset leader epoch {}). Reset to INVALID."
+    )
+    assert _end_of_epoch(_Reported(report.format(4)), 4) == 8
+    assert _end_of_epoch(_Reported(report.format(3)), 4) is None
+    assert _end_of_epoch(_Reported("Partition log truncation detected"), 4) is None
