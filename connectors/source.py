@@ -116,6 +116,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.input_name = self._tag or DEFAULT_SOURCE
         self._latest: Offsets | None = None
         self._epochs_planned = 0  # epochs with records this process planned
+        self._held: set[TP] = set()  # partitions an open transaction holds (_warn_held)
         self._available_now_target: dict[tuple[str, int], int] | None = None
 
     # Clients live in module-level caches (kafka_clients), never on the instance: the reader
@@ -204,7 +205,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """
         self._check_input(start)
         starts, ids = offsets.positions(start), offsets.topic_ids(start)
-        tps, ids_now, earliest, stable, epochs = self._look_up(starts, ids)
+        tps, ids_now, earliest, stable, epochs, below = self._look_up(starts, ids)
         retired = offsets.retired_ids(start)
         stale = {t for t, i in ids_now.items() if i in retired.get(t, [])}
         if stale:  # held at their offsets this batch, as unlisted partitions are
@@ -214,7 +215,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         changed = {t for t, i in ids.items() if ids_now.get(t) not in (None, i)}
         recreated = self._check_recreated(starts, changed, ids, ids_now, earliest, stable)
         unlisted = self._keep_unlisted(starts, set(tps))
-        rewound = self._check_rewound(starts, earliest, stable, offsets.leader_epochs(start))
+        below = {tp: e for tp, e in below.items() if tp in starts}  # not recreated, listed
+        rewound = self._check_rewound(starts, earliest, below, offsets.leader_epochs(start))
+        self._warn_held(starts, stable, below)
         self._check_retention(starts, earliest)
         if self._available_now_target is not None:
             target = self._available_now_target
@@ -257,12 +260,13 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _look_up(
         self, starts: dict[TP, int], ids: dict[str, str]
-    ) -> tuple[list[TP], dict, dict[TP, int], dict[TP, int], dict[TP, int | None]]:
-        """What `_look_up_once` answers, asked again while a partition's log seems to end
-        below the offset the query expects next under the same topic id, up to
-        BEHIND_LEADER_WAIT_S: that is how a leader that lost its partitions while paused
-        answers until it learns (see `_out_of_range`). Only a log that stays behind is taken
-        for offsets that went backwards (`_check_rewound`)."""
+    ) -> tuple[list[TP], dict, dict[TP, int], dict[TP, int], dict[TP, int | None], dict]:
+        """What `_look_up_once` answers, and the logs that end below the offset the query
+        expects next under the same topic id (`_logs_ending_below`), asked again while there
+        are any, up to BEHIND_LEADER_WAIT_S: that is how a leader that lost its partitions
+        while paused answers until it learns (see `_out_of_range`). Only a log that stays
+        behind is taken for offsets that went backwards (`_check_rewound`), by the last
+        answer waited on: asked once more, a broker that is behind could skip the wait."""
         since = time.monotonic()
         while True:
             tps, ids_now, earliest, stable, epochs = self._look_up_once()
@@ -270,7 +274,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             behind = self._logs_ending_below(same, stable)
             waited = time.monotonic() - since
             if not behind or waited >= BEHIND_LEADER_WAIT_S:
-                return tps, ids_now, earliest, stable, epochs
+                return tps, ids_now, earliest, stable, epochs, behind
             if waited < BEHIND_LEADER_RETRY_S:  # said once per wait
                 log.warning(
                     "the log of %s ends below the offset the query expects next (%s); asking "
@@ -372,8 +376,25 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             del starts[tp]
         return unlisted
 
+    def _warn_held(self, starts: dict, stable: dict, below: dict) -> None:
+        """Say, once, which partitions wait on an open transaction below their offset: one
+        whose commit marker a cut took is complete for its coordinator and never ends by
+        itself, and the lag shows nothing (it counts from the stable end)."""
+        held = {tp for tp, o in starts.items() if stable[tp] < o and tp not in below}
+        if held - self._held:
+            log.warning(
+                "%s: the stable end is below the offset the query expects next, held there by "
+                "an open transaction; the partition waits for it. A transaction whose commit "
+                "marker an unclean leader election cut off never ends by itself: find and "
+                "abort it with kafka-transactions.sh (find-hanging, abort)",
+                ", ".join(
+                    f"{t}[{p}] at {stable[(t, p)]} < {starts[(t, p)]}" for t, p in sorted(held)
+                ),
+            )
+        self._held = held
+
     def _check_rewound(
-        self, starts: dict, earliest: dict, stable: dict, epochs: dict[TP, int]
+        self, starts: dict, earliest: dict, below: dict, epochs: dict[TP, int]
     ) -> dict[TP, int]:
         """Partitions whose offsets went backwards: the broker's log ends below the offset
         the query expects next (an unclean leader election, a broker that lost its data), and
@@ -383,7 +404,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         from its earliest offset. The cut may lie above the stable end, in a transaction whose
         commit marker was cut off: the partition waits there (`_logs_ending_below`)."""
         restarts = {}
-        for tp, end in self._logs_ending_below(starts, stable).items():
+        for tp, end in sorted(below.items()):
             offset = starts[tp]
             what = (
                 f"the query expected offset {offset} next, but the broker holds offsets "
@@ -739,8 +760,10 @@ def _where_cut(conf: dict[str, str], tp: TP, offset: int, epoch: int | None) -> 
     asked by librdkafka's validating seek). Below it the log holds the records the old
     leader held there. None if the leader does not say so: no epoch logged; an answer for an
     older epoch than `epoch` (a leader that never had it, whose own records past that older
-    epoch's end may differ from those read); none it knows ("No epoch found"); a log of that
-    epoch that does not end below `offset`; no answer within ATTEMPT_TIMEOUT_S."""
+    epoch's end may differ from those read); none it knows ("No epoch found": a broker
+    that keeps no epochs); a log of that epoch that does not end below `offset`; no answer
+    within ATTEMPT_TIMEOUT_S. A wiped log that leads again answers 0: for an epoch older
+    than all it has, Kafka answers where its first epoch starts."""
     from confluent_kafka import KafkaError
 
     if epoch is None:
@@ -748,14 +771,16 @@ def _where_cut(conf: dict[str, str], tp: TP, offset: int, epoch: int | None) -> 
     consumer = kafka_clients.range_consumer(conf)
     r = OffsetRange(*tp, offset, offset, epoch, epoch)
     try:
-        if not _fetch_from(consumer, r, offset, epoch):
-            return None
+        asked = _fetch_from(consumer, r, offset, epoch)
         deadline = time.monotonic() + kafka_clients.ATTEMPT_TIMEOUT_S
         while time.monotonic() < deadline:
             for msg in consumer.consume(1, kafka_clients.CONSUME_WAIT_S):
                 if (msg.topic(), msg.partition()) != tp:
                     continue  # an error librdkafka left from an earlier partition's question
                 err = msg.error()
+                if err is None and not asked:  # fetched unvalidated: ask now (ACTIVE)
+                    asked = _ask_leader(consumer, r, offset, epoch)
+                    continue
                 if err is None or err.code() != KafkaError._AUTO_OFFSET_RESET:
                     return None  # a record there: the log holds `offset` again
                 if _log_truncated(msg):
@@ -763,8 +788,9 @@ def _where_cut(conf: dict[str, str], tp: TP, offset: int, epoch: int | None) -> 
                 if _log_truncated_cause(msg):
                     return None  # "No epoch found"
                 # Out of range: the fetch the assignment started before the seek asked.
-                if not _ask_leader(consumer, r, offset, epoch):
-                    return None
+                # librdkafka stopped the partition (FETCH_NONE), refusing every seek with
+                # _STATE: only a new assignment starts it again.
+                asked = _fetch_from(consumer, r, offset, epoch)
         return None
     finally:
         consumer.unassign()

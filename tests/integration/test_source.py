@@ -538,3 +538,21 @@ class _RecordsEveryCall:
 
     def __getattr__(self, name: str):
         return getattr(self._consumer, name)
+
+
+def test_where_a_log_was_cut_is_the_leaders_end_of_the_asked_epoch(kafka_bootstrap, new_topic):
+    """`_where_cut` against a real leader, asked about offsets past its log: the end of the
+    epoch asked about (one leader, one epoch: the log's end), and nothing for an epoch it
+    never had. Asked for several partitions in turn on the process' one range consumer,
+    whose assignment starts a fetch out of range before each question is asked."""
+    from onceflow.connectors.source import _where_cut
+
+    topic = new_topic(partitions=3)
+    produce(kafka_bootstrap, topic, ((b"k", b"v", p) for p in range(3) for _ in range(p + 5)))
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    epochs = kafka_clients.stable_ends_and_epochs(conf, [(topic, p) for p in range(3)])
+    for _, p in itertools.product(range(3), range(3)):
+        end, epoch = epochs[(topic, p)]
+        assert end == p + 5
+        assert _where_cut(conf, (topic, p), end + 10, epoch + 1) is None  # "No epoch found"
+        assert _where_cut(conf, (topic, p), end + 10, epoch) == end

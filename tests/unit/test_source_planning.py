@@ -268,6 +268,28 @@ def test_a_stable_end_below_the_query_with_the_log_above_it_holds_the_partition(
     assert offsets.positions(end) == {("t", 0): 15}
 
 
+def test_a_log_is_taken_for_cut_by_the_answer_planning_waited_on(monkeypatch, caplog):
+    """Planning waits while a log ends below the query's offset, and judges by the answer it
+    waited on: asked once more, a broker that is behind answered below at once, and the
+    partition, held by an open transaction, was restarted from its earliest offset. A held
+    partition is said once, not at every planning."""
+    from onceflow.connectors import kafka_clients, offsets, source
+
+    monkeypatch.setattr(source, "_where_cut", lambda conf, tp, offset, epoch: None)
+    start = offsets.logged({("t", 0): 15}, {"t": "A"}, epochs={("t", 0): 2})
+    reader = _reader_over(monkeypatch, [{"t": "A"}] * 4, stable=13)
+    answers = iter([16, 10])  # the leader's, then a broker's that is behind it
+    monkeypatch.setattr(
+        kafka_clients, "high_watermarks", lambda conf, tps: dict.fromkeys(tps, next(answers))
+    )
+    with caplog.at_level("WARNING", logger="onceflow.source"):
+        assert offsets.positions(reader.latestOffset(start, ReadAllAvailable())) == {("t", 0): 15}
+        monkeypatch.setattr(kafka_clients, "high_watermarks", lambda conf, tps: {("t", 0): 16})
+        assert offsets.positions(reader.latestOffset(start, ReadAllAvailable())) == {("t", 0): 15}
+    held = [r for r in caplog.records if "held there by an open transaction" in r.getMessage()]
+    assert len(held) == 1
+
+
 def test_the_first_epochs_a_process_plans_take_a_share_of_the_limit_then_the_whole():
     from onceflow.connectors import offsets
     from onceflow.connectors.source import KafkaStreamReader
