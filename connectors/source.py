@@ -270,7 +270,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         since = time.monotonic()
         while True:
             tps, ids_now, earliest, stable, epochs = self._look_up_once()
-            same = {tp: o for tp, o in starts.items() if ids_now.get(tp[0]) == ids.get(tp[0])}
+            same = {
+                tp: o for tp, o in starts.items() if ids.get(tp[0]) in (None, ids_now.get(tp[0]))
+            }
             behind = self._logs_ending_below(same, stable)
             waited = time.monotonic() - since
             if not behind or waited >= BEHIND_LEADER_WAIT_S:
@@ -646,7 +648,9 @@ def _epoch_at(r: OffsetRange, position: int) -> int | None:
     return r.end_epoch
 
 
-def _fetch_from(consumer, r: OffsetRange, position: int, epoch: int | None) -> bool:
+def _fetch_from(
+    consumer, r: OffsetRange, position: int, epoch: int | None, wait: float = SEEK_WAIT_S
+) -> bool:
     """Have `consumer` fetch `r`'s partition from `position`, once its leader has said where
     its log of leader epoch `epoch` ends (KIP-320; None: ask nothing): a log that ends below
     `position` was truncated since the batch was planned (or since the last one, for its
@@ -655,20 +659,22 @@ def _fetch_from(consumer, r: OffsetRange, position: int, epoch: int | None) -> b
     from confluent_kafka import TopicPartition
 
     consumer.assign([TopicPartition(r.topic, r.partition, position)])
-    return epoch is None or _ask_leader(consumer, r, position, epoch)
+    return epoch is None or _ask_leader(consumer, r, position, epoch, wait)
 
 
-def _ask_leader(consumer, r: OffsetRange, position: int, epoch: int) -> bool:
+def _ask_leader(
+    consumer, r: OffsetRange, position: int, epoch: int, wait: float = SEEK_WAIT_S
+) -> bool:
     """Seek to `position` in `epoch`: librdkafka validates on a seek only, never on an
     assignment, and refuses a seek until the assignment has reached the partition (_STATE;
     _PREV_IN_PROGRESS while an earlier read's unassignment ends), so it is asked again
     meanwhile. What was fetched before the seek is dropped (its op version is older). A fetch
     that failed first (an offset out of range) leaves the partition stopped, refusing every
-    seek until its error is handled: after SEEK_WAIT_S this returns False, and the read
+    seek until its error is handled: after `wait` seconds this returns False, and the read
     meets that error, or asks again at its first record."""
     from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-    deadline = time.monotonic() + SEEK_WAIT_S
+    deadline = time.monotonic() + wait
     while True:
         try:
             consumer.seek(TopicPartition(r.topic, r.partition, position, leader_epoch=epoch))
@@ -683,7 +689,7 @@ def _ask_leader(consumer, r: OffsetRange, position: int, epoch: int) -> bool:
                     r.topic,
                     r.partition,
                     position,
-                    SEEK_WAIT_S,
+                    wait,
                     exc.args[0].str(),
                     epoch,
                 )
@@ -768,18 +774,22 @@ def _where_cut(conf: dict[str, str], tp: TP, offset: int, epoch: int | None) -> 
 
     if epoch is None:
         return None
+    deadline = time.monotonic() + kafka_clients.ATTEMPT_TIMEOUT_S
+
+    def left() -> float:  # every wait within the deadline
+        return max(0.0, min(SEEK_WAIT_S, deadline - time.monotonic()))
+
     consumer = kafka_clients.range_consumer(conf)
     r = OffsetRange(*tp, offset, offset, epoch, epoch)
     try:
-        asked = _fetch_from(consumer, r, offset, epoch)
-        deadline = time.monotonic() + kafka_clients.ATTEMPT_TIMEOUT_S
+        asked = _fetch_from(consumer, r, offset, epoch, left())
         while time.monotonic() < deadline:
             for msg in consumer.consume(1, kafka_clients.CONSUME_WAIT_S):
                 if (msg.topic(), msg.partition()) != tp:
                     continue  # an error librdkafka left from an earlier partition's question
                 err = msg.error()
                 if err is None and not asked:  # fetched unvalidated: ask now (ACTIVE)
-                    asked = _ask_leader(consumer, r, offset, epoch)
+                    asked = _ask_leader(consumer, r, offset, epoch, left())
                     continue
                 if err is None or err.code() != KafkaError._AUTO_OFFSET_RESET:
                     return None  # a record there: the log holds `offset` again
@@ -790,7 +800,7 @@ def _where_cut(conf: dict[str, str], tp: TP, offset: int, epoch: int | None) -> 
                 # Out of range: the fetch the assignment started before the seek asked.
                 # librdkafka stopped the partition (FETCH_NONE), refusing every seek with
                 # _STATE: only a new assignment starts it again.
-                asked = _fetch_from(consumer, r, offset, epoch)
+                asked = _fetch_from(consumer, r, offset, epoch, left())
         return None
     finally:
         consumer.unassign()

@@ -275,10 +275,11 @@ def test_a_log_is_taken_for_cut_by_the_answer_planning_waited_on(monkeypatch, ca
     partition is said once, not at every planning."""
     from onceflow.connectors import kafka_clients, offsets, source
 
+    monkeypatch.setattr(source, "BEHIND_LEADER_RETRY_S", 0.0)
     monkeypatch.setattr(source, "_where_cut", lambda conf, tp, offset, epoch: None)
     start = offsets.logged({("t", 0): 15}, {"t": "A"}, epochs={("t", 0): 2})
-    reader = _reader_over(monkeypatch, [{"t": "A"}] * 4, stable=13)
-    answers = iter([16, 10])  # the leader's, then a broker's that is behind it
+    reader = _reader_over(monkeypatch, [{"t": "A"}] * 6, stable=13)
+    answers = iter([10, 16, 10])  # behind (waited on), the leader's, a broker behind it
     monkeypatch.setattr(
         kafka_clients, "high_watermarks", lambda conf, tps: dict.fromkeys(tps, next(answers))
     )
@@ -288,6 +289,18 @@ def test_a_log_is_taken_for_cut_by_the_answer_planning_waited_on(monkeypatch, ca
         assert offsets.positions(reader.latestOffset(start, ReadAllAvailable())) == {("t", 0): 15}
     held = [r for r in caplog.records if "held there by an open transaction" in r.getMessage()]
     assert len(held) == 1
+
+
+def test_a_log_of_a_checkpoint_without_topic_ids_is_waited_on_and_rewound(monkeypatch):
+    """Offsets logged before topic ids were kept: a log below them is waited on and taken
+    for cut as any other, not for one held by an open transaction."""
+    from onceflow.connectors import offsets, source
+
+    monkeypatch.setattr(source, "BEHIND_LEADER_WAIT_S", 0.0)
+    monkeypatch.setattr(source, "_where_cut", lambda conf, tp, offset, epoch: 12)
+    start = offsets.logged({("t", 0): 15}, {}, epochs={("t", 0): 2})
+    reader = _reader_over(monkeypatch, [{"t": "A"}] * 2, stable=13)
+    assert offsets.positions(reader.latestOffset(start, ReadAllAvailable())) == {("t", 0): 12}
 
 
 def test_the_first_epochs_a_process_plans_take_a_share_of_the_limit_then_the_whole():
