@@ -753,7 +753,7 @@ def _broker_end_offset(err) -> int | None:
 def _end_of_epoch(err, epoch: int) -> int | None:
     """Where the leader's log of leader epoch `epoch` ends, from librdkafka's report of a
     truncated log; None if the leader answered for another epoch ("offset leader epoch M"):
-    Kafka answers for the newest epoch it has below the one asked."""
+    Kafka answers for the newest epoch it has at or below the one asked."""
     answered = re.search(r"offset leader epoch (-?\d+)", err.str() or "")
     if answered is None or int(answered.group(1)) != epoch:
         return None
