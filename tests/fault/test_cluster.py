@@ -470,16 +470,9 @@ def test_a_log_an_unclean_election_truncated_and_that_grew_back_past_the_checkpo
     the next batch's read sees the truncation: the query fails, or (failOnDataLoss=false)
     counts the new records below the checkpoint, which no batch reads, and reads the batch
     (planned on the new log)."""
-    from confluent_kafka.admin import AdminClient, NewTopic
-
     from tests.helpers import drain, source_reader
 
-    topic = f"unclean-{uuid.uuid4().hex[:10]}"
-    settings = {"unclean.leader.election.enable": "true", "min.insync.replicas": "1"}
-    admin = AdminClient({"bootstrap.servers": cluster.bootstrap})
-    new = NewTopic(topic, num_partitions=1, replica_assignment=[[1, 2]], config=settings)
-    admin.create_topics([new])[topic].result()
-    wait_until(lambda: _isr(cluster.bootstrap, topic) == [1, 2], 30, "both replicas in sync")
+    topic = _unclean_topic(cluster, "unclean")
     cluster.node(2).stop(progress=print)
     wait_until(lambda: _isr(cluster.bootstrap, topic) == [1], 60, "node 2 out of the ISR")
     _write(cluster.bootstrap, topic, [b"old-%d" % i for i in range(10)])
@@ -516,16 +509,9 @@ def test_a_log_an_unclean_election_cut_below_the_checkpoint_restarts_where_it_wa
     failOnDataLoss=false the partition restarted from its earliest offset: old-0 to old-4
     were published twice. The leader's answer for the epoch logged with offset 10 says the
     log was cut at 5: the query reads new-5 and new-6, and nothing it read before."""
-    from confluent_kafka.admin import AdminClient, NewTopic
-
     from tests.helpers import drain, source_reader
 
-    topic = f"unclean-cut-{uuid.uuid4().hex[:10]}"
-    settings = {"unclean.leader.election.enable": "true", "min.insync.replicas": "1"}
-    admin = AdminClient({"bootstrap.servers": cluster.bootstrap})
-    new = NewTopic(topic, num_partitions=1, replica_assignment=[[1, 2]], config=settings)
-    admin.create_topics([new])[topic].result()
-    wait_until(lambda: _isr(cluster.bootstrap, topic) == [1, 2], 30, "both replicas in sync")
+    topic = _unclean_topic(cluster, "unclean-cut")
     _write(cluster.bootstrap, topic, [b"old-%d" % i for i in range(5)])
     cluster.node(2).stop(progress=print)
     wait_until(lambda: _isr(cluster.bootstrap, topic) == [1], 60, "node 2 out of the ISR")
@@ -546,6 +532,21 @@ def test_a_log_an_unclean_election_cut_below_the_checkpoint_restarts_where_it_wa
     rows, _ = drain(source_reader(spark, cluster.bootstrap, topic, **options), checkpoint)
     assert [(r.offset, r.value) for r in rows] == [(5, b"new-5"), (6, b"new-6")]
     assert CheckpointDir(checkpoint).source_stats() == {}  # every record read was there
+
+
+def _unclean_topic(cluster: LocalCluster, prefix: str) -> str:
+    """A new topic of one partition on nodes 1 and 2, both in sync, that takes writes with one
+    replica and may elect an out-of-sync one (unclean.leader.election.enable, min.insync.replicas
+    1, as some users run Kafka)."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    topic = f"{prefix}-{uuid.uuid4().hex[:10]}"
+    settings = {"unclean.leader.election.enable": "true", "min.insync.replicas": "1"}
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap})
+    new = NewTopic(topic, num_partitions=1, replica_assignment=[[1, 2]], config=settings)
+    admin.create_topics([new])[topic].result()
+    wait_until(lambda: _isr(cluster.bootstrap, topic) == [1, 2], 30, "both replicas in sync")
+    return topic
 
 
 def _isr(bootstrap: str, topic: str) -> list[int]:

@@ -141,7 +141,7 @@ def test_the_asker_gets_a_pidfd_of_its_child_from_the_server(server, tmp_path):
         timeout=60,
     )
     asker = [line.split() for line in done.stdout.splitlines() if line.startswith("ASKER")]
-    assert asker, done.stderr[-2000:]
+    assert asker, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     _, pid, pidfd_of = asker[0]
     report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
     assert pid == pidfd_of == str(report["pid"])
